@@ -1,0 +1,5 @@
+PYTHON ?= python
+
+.PHONY: test
+test:
+	$(PYTHON) -m pytest -q

@@ -1,0 +1,7 @@
+"""pop-vlm: vision-language models that answer faster by Prefill-Only Pruning (POP)."""
+from .config import MODES, PopConfig
+from .generate import Answer, SamplingParams, Timings
+from .pipeline import Pipeline, answer, load
+
+__all__ = ["MODES", "Answer", "Pipeline", "PopConfig", "SamplingParams", "Timings", "answer", "load"]
+__version__ = "0.1.0"

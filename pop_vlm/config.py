@@ -1,0 +1,65 @@
+"""How a request is run: the mode and the POP settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+MODES = ("full", "pop", "static")
+
+PruneSpec = Union[int, float, str]
+
+
+@dataclass(frozen=True)
+class PopConfig:
+    """Settings of Prefill-Only Pruning.
+
+    prune_layers: how many of the deepest decoder layers the prefill skips — an int k, a fraction of the
+        layer count L (0 < f < 1, rounded to the nearest layer), or ``"auto"`` (chosen from the model's
+        prefill-importance profile).
+    kv_projection: fill the skipped layers' KV caches by projecting the last kept layer's output through
+        each skipped layer's own input norm, W_K (and k_norm, RoPE) and W_V. ``False`` is the paper's
+        ablation: skipped layers then see no prompt keys at all during decode.
+    boundary: run the prompt's last token through all layers as the first decode step, so the first
+        generated token comes from the full model. ``False`` takes it from the pruned stack (ablation).
+    fused: compute the KV projections of all skipped layers as one GEMM (``False``: one layer at a time,
+        the reference path).
+    """
+
+    prune_layers: PruneSpec = 1 / 3
+    kv_projection: bool = True
+    boundary: bool = True
+    fused: bool = True
+
+    def num_pruned(self, num_layers: int, auto_k: int | None = None) -> int:
+        """Resolve `prune_layers` to a layer count k for a model of `num_layers` layers."""
+        spec = self.prune_layers
+        if isinstance(spec, str):
+            if spec != "auto":
+                raise ValueError(f"prune_layers must be an int, a fraction of the layer count, or 'auto'; got {spec!r}")
+            if auto_k is None:
+                raise ValueError("prune_layers='auto' needs the model's importance profile; none was given")
+            k = auto_k
+        elif isinstance(spec, bool):
+            raise ValueError(f"prune_layers must be an int, a fraction or 'auto'; got {spec!r}")
+        elif isinstance(spec, int):
+            k = spec
+        elif isinstance(spec, float):
+            if not 0.0 <= spec < 1.0:
+                raise ValueError(f"a fractional prune_layers must lie in [0, 1); got {spec}")
+            k = int(round(spec * num_layers))
+        else:
+            raise ValueError(f"prune_layers must be an int, a fraction or 'auto'; got {spec!r}")
+        if not 0 <= k < num_layers:
+            raise ValueError(f"prune_layers={k} is out of range: the model has {num_layers} layers (0 <= k < {num_layers})")
+        return k
+
+    def pruned_layers(self, num_layers: int, auto_k: int | None = None) -> tuple[int, ...]:
+        """Indices of the layers skipped in the prefill: the last k."""
+        k = self.num_pruned(num_layers, auto_k)
+        return tuple(range(num_layers - k, num_layers))
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode

@@ -1,0 +1,90 @@
+"""Turning what users pass as an image into an RGB PIL image, or a clear error."""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+
+class ImageError(ValueError):
+    """The image could not be read or is not usable."""
+
+
+def load_image(image) -> Image.Image | None:
+    """Accept a path, bytes, a PIL image or a numpy array (H×W, H×W×3 or H×W×4; uint8, or floats in [0, 1])."""
+    if image is None:
+        return None
+    if isinstance(image, (str, os.PathLike)):
+        path = Path(image)
+        if not path.is_file():
+            raise ImageError(f"image file not found: {path}")
+        try:
+            with Image.open(path) as opened:
+                return to_rgb(opened)
+        except (UnidentifiedImageError, OSError, SyntaxError) as err:
+            raise ImageError(f"cannot read {path.name} as an image: {err}") from None
+    if isinstance(image, (bytes, bytearray)):
+        if not image:
+            raise ImageError("the image is empty (0 bytes)")
+        try:
+            with Image.open(io.BytesIO(image)) as opened:
+                return to_rgb(opened)
+        except (UnidentifiedImageError, OSError, SyntaxError) as err:
+            raise ImageError(f"cannot read the uploaded bytes as an image: {err}") from None
+    if isinstance(image, Image.Image):
+        return to_rgb(image)
+    if isinstance(image, np.ndarray):
+        return to_rgb(Image.fromarray(_array_to_uint8(image)))
+    raise ImageError(f"unsupported image type {type(image).__name__}: pass a path, bytes, a PIL image or a numpy array")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """First frame, EXIF orientation applied, alpha composited on white, 16-bit scaled down, as RGB."""
+    try:
+        image.seek(0)
+    except (AttributeError, EOFError):
+        pass
+    try:
+        image.load()
+    except (OSError, SyntaxError) as err:
+        raise ImageError(f"the image data is corrupt or truncated: {err}") from None
+    image = ImageOps.exif_transpose(image) or image
+    if image.width < 1 or image.height < 1:
+        raise ImageError("the image has no pixels")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        array = np.asarray(image, dtype=np.float64)
+        top = array.max() if array.max() > 255 else 255.0
+        image = Image.fromarray((array / top * 255.0).clip(0, 255).astype(np.uint8))
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGB", image.size, (255, 255, 255))
+        background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def _array_to_uint8(array: np.ndarray) -> np.ndarray:
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[..., 0]
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
+        raise ImageError(f"an image array must be H×W, H×W×3 or H×W×4; got shape {array.shape}")
+    if array.size == 0:
+        raise ImageError("the image array is empty")
+    if array.dtype == np.uint8:
+        return array
+    if np.issubdtype(array.dtype, np.floating):
+        if not np.isfinite(array).all():
+            raise ImageError("the image array has NaN or infinite values")
+        if array.min() >= 0.0 and array.max() <= 1.0:
+            array = array * 255.0
+        return array.clip(0, 255).round().astype(np.uint8)
+    if np.issubdtype(array.dtype, np.integer):
+        top = 65535 if array.max() > 255 else 255
+        return (array.astype(np.float64) / top * 255.0).clip(0, 255).round().astype(np.uint8)
+    if array.dtype == np.bool_:
+        return array.astype(np.uint8) * 255
+    raise ImageError(f"unsupported image array dtype {array.dtype}")

@@ -1,0 +1,210 @@
+"""Load a model and its processor, build inputs from (image, question), and answer with any mode."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+import torch
+
+from .config import PopConfig, check_mode
+from .families import adapter_class_for, detect_family
+from .generate import Answer, GenerationResult, SamplingParams, Timings, generate_tokens
+from .images import load_image
+
+VLM_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        # bf16 on GPUs; fp32 on CPUs, where bf16 matrix multiplies are several times slower
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, bf16, fp16 or fp32")
+    return names[dtype]
+
+
+def attention_implementation(device: torch.device, architecture: str) -> str:
+    """flash-attention-2 on CUDA when installed (not for Gemma-3 VLMs: it cannot keep their bidirectional image
+    block), else PyTorch's SDPA."""
+    if device.type == "cuda" and architecture != "Gemma3ForConditionalGeneration":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *, trust_remote_code: bool = False) -> "Pipeline":
+    """Load a hub id, a local folder, or a zoo name (see `pop_vlm.zoo`) into a `Pipeline`."""
+    import transformers
+    from transformers import AutoConfig
+
+    from . import zoo
+
+    path = zoo.resolve(name_or_path)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    architecture = (getattr(config, "architectures", None) or ["?"])[0]
+    adapter_class_for(architecture)  # a clear error for unsupported models, before any weights load
+    model_class = getattr(transformers, architecture)
+    model = model_class.from_pretrained(
+        path, dtype=torch_dtype, attn_implementation=attention_implementation(device, architecture),
+        trust_remote_code=trust_remote_code, use_safetensors=True,
+    ).to(device).eval()
+    processor = load_processor(path, architecture, trust_remote_code=trust_remote_code)
+    return Pipeline(model, processor, name=name_or_path)
+
+
+def load_processor(path, architecture: str, trust_remote_code: bool = False):
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if architecture == "Qwen3VLForConditionalGeneration":
+        from .processors import load_qwen3_vl_processor
+
+        return load_qwen3_vl_processor(path)
+    if architecture in VLM_ARCHITECTURES:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+class Pipeline:
+    """A loaded model with its processor (or tokenizer, for text models), answering in any mode."""
+
+    def __init__(self, model, processor, name: str | None = None):
+        self.model = model.eval()
+        self.processor = processor
+        self.adapter = detect_family(model)
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.eos_token_ids = self._eos_token_ids()
+        self.auto_k: int | None = None  # set from an importance profile, for prune_layers="auto"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.adapter.is_multimodal
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    def _eos_token_ids(self) -> set[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+    # ---- inputs -----------------------------------------------------------------------------------------------
+    def build_inputs(self, image, question: str) -> dict:
+        """Processor output for one (image, question) — the chat template with the image for VLMs, the text
+        model's chat template if it has one, else the plain question."""
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("the question is empty")
+        picture = load_image(image)
+        if picture is not None and not self.is_multimodal:
+            raise ValueError(f"{self.name} is a text-only model; it cannot take an image")
+        if self.is_multimodal:
+            content = ([{"type": "image"}] if picture is not None else []) + [{"type": "text", "text": question}]
+            messages = [{"role": "user", "content": content}]
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = self.processor(images=[picture] if picture is not None else None, text=[text], return_tensors="pt")
+        elif getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": question}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        else:
+            inputs = self.tokenizer(question, return_tensors="pt")
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    # ---- answering -------------------------------------------------------------------------------------------
+    def answer(self, image, question: str, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Answer:
+        *_, answer = self.stream(image, question, mode=mode, pop=pop, **kwargs)
+        return answer
+
+    def stream(self, image, question: str, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Iterator:
+        """Yield text pieces as they are generated; the last item is the `Answer`."""
+        check_mode(mode)
+        start = time.perf_counter()
+        inputs = self.build_inputs(image, question)
+        preprocess_s = time.perf_counter() - start
+        return self._stream(inputs, mode, pop, preprocess_s=preprocess_s, **kwargs)
+
+    def generate(self, inputs: dict, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Answer:
+        """Answer for a processor's output (already built inputs)."""
+        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        *_, answer = self._stream(inputs, mode, pop, **kwargs)
+        return answer
+
+    def _stream(self, inputs, mode, pop, *, preprocess_s: float = 0.0, max_new_tokens: int = 128,
+                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                seed: int | None = None, output_scores: bool = False):
+        check_mode(mode)
+        pop = pop if pop is not None else PopConfig()
+        sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        result = GenerationResult(timings=Timings(preprocess_s=preprocess_s))
+        tokens = generate_tokens(
+            self.adapter, inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens, sampling=sampling,
+            eos_token_ids=self.eos_token_ids, output_scores=output_scores, result=result, auto_k=self.auto_k,
+        )
+        shown = ""
+        for _ in tokens:
+            text = self.decode(result.token_ids)
+            # hold back an incomplete multi-byte character until the next token completes it
+            if len(text) > len(shown) and not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+        text = self.decode(result.token_ids)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+        yield Answer(
+            text=text,
+            token_ids=list(result.token_ids),
+            mode=mode,
+            pruned_layers=list(result.plan.pruned),
+            n_prompt_tokens=result.prompt.length,
+            n_image_tokens=result.prompt.n_image_tokens,
+            timings=result.timings,
+            finish_reason=result.finish_reason,
+            scores=result.scores,
+        )
+
+    def decode(self, token_ids) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+_DEFAULT: dict[str, Pipeline] = {}
+
+
+def default_model_name() -> str | None:
+    from . import zoo
+
+    return os.environ.get("POP_VLM_MODEL") or zoo.default_model()
+
+
+def answer(image, question: str, model: str | None = None, **kwargs) -> Answer:
+    """Answer a question about an image with a cached pipeline (the default model unless `model` is given)."""
+    name = model or default_model_name()
+    if name is None:
+        raise ValueError("no default model is available: pass model=... or set POP_VLM_MODEL")
+    if name not in _DEFAULT:
+        _DEFAULT[name] = load(name)
+    return _DEFAULT[name].answer(image, question, **kwargs)

@@ -1,0 +1,178 @@
+"""Prefill-Only Pruning: the three pieces of the method.
+
+1. `pruned_prefill` — prompt tokens x_1..x_{N-1} run through the kept layers [0, L-k) only.
+2. `project_skipped_kv` — each skipped layer still gets its KV cache, projected from the last kept layer's
+   output h through that layer's own input norm, W_K (k_norm, RoPE) and W_V; its attention and MLP never run.
+   `FusedKVProjection` does this for all skipped layers in one GEMM.
+3. `boundary_step` — the last prompt token x_N runs through all L layers against that cache, so the first
+   generated token comes from the full model.
+
+`prefill` puts them together for each mode; `PrefillPlan` says which layers each stage uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import PopConfig, check_mode
+from .families.base import FamilyAdapter, Prompt, apply_rope, norm_eps
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    mode: str
+    pruned: tuple[int, ...]  # layers the prefill skips (the deepest k)
+    kept: tuple[int, ...]  # layers the prefill runs
+    decode_layers: tuple[int, ...]  # layers each decode step runs
+    kv_projection: bool
+    boundary: bool
+    fused: bool
+
+
+def make_plan(adapter: FamilyAdapter, mode: str = "pop", pop: PopConfig | None = None, auto_k: int | None = None) -> PrefillPlan:
+    check_mode(mode)
+    pop = pop or PopConfig()
+    every = tuple(range(adapter.num_layers))
+    if mode == "full":
+        return PrefillPlan(mode, (), every, every, kv_projection=False, boundary=False, fused=pop.fused)
+    pruned = pop.pruned_layers(adapter.num_layers, auto_k)
+    clash = sorted(set(pruned) & adapter.protected_layers)
+    if clash:
+        raise ValueError(
+            f"cannot prune layers {clash} of this {adapter.name} model: they receive the vision tower's deepstack "
+            f"features (layers {sorted(adapter.protected_layers)}); prune at most "
+            f"{adapter.num_layers - 1 - max(adapter.protected_layers)} layers"
+        )
+    kept = tuple(i for i in every if i not in pruned)
+    if mode == "static":
+        return PrefillPlan(mode, pruned, kept, kept, kv_projection=False, boundary=False, fused=pop.fused)
+    return PrefillPlan(mode, pruned, kept, every, pop.kv_projection, pop.boundary, pop.fused)
+
+
+# ---- 1. pruned prefill ---------------------------------------------------------------------------------------
+def pruned_prefill(adapter: FamilyAdapter, prompt: Prompt, cache, layers, end: int) -> torch.Tensor:
+    """Run prompt tokens [0, end) through `layers`; returns the last of them's output hidden states."""
+    positions = adapter.positions_between(prompt, 0, end)
+    return adapter.run_layers(prompt.embeds[:, :end], positions, cache, layers, prompt=prompt, span=(0, end))
+
+
+# ---- 2. independent KV projections ----------------------------------------------------------------------------
+def project_skipped_kv(adapter: FamilyAdapter, prompt: Prompt, cache, hidden, skipped, fused: bool = True) -> None:
+    """Write each skipped layer's K/V for the prompt tokens in `hidden` (the last kept layer's output)."""
+    if not skipped:
+        return
+    positions = adapter.positions_between(prompt, 0, hidden.shape[1])
+    rope = adapter.rotary(hidden, positions)
+    if fused:
+        keys, values = adapter.fused_kv(tuple(skipped))(hidden, rope)
+        for j, layer in enumerate(skipped):
+            cache.update(keys[j], values[j], layer)
+    else:
+        for layer in skipped:
+            cache.update(*adapter.project_kv(layer, hidden, rope), layer)
+
+
+class FusedKVProjection:
+    """K/V of several layers from one hidden state in a single GEMM.
+
+    Every skipped layer normalises the same h, so 1/rms(h) is computed once and each layer's norm weight is
+    folded into its W_K and W_V rows: [W_K·diag(w_l); W_V·diag(w_l)] stacked over the layers. k_norm is then a
+    batched RMSNorm over the head dimension, and RoPE is applied per layer type.
+    """
+
+    def __init__(self, adapter: FamilyAdapter, layer_ids: tuple[int, ...]):
+        self.layer_ids = layer_ids
+        first = adapter.layers[layer_ids[0]].self_attn
+        self.head_dim = first.head_dim
+        self.num_kv_heads = first.k_proj.out_features // self.head_dim
+        offset = adapter.norm_weight_offset
+        eps = {norm_eps(adapter.input_norm(i)) for i in layer_ids}
+        if len(eps) != 1:
+            raise ValueError(f"the skipped layers' input norms disagree on epsilon ({sorted(eps)}); use fused=False")
+        self.eps = eps.pop()
+        rows, biases = [], []
+        with torch.no_grad():
+            for i in layer_ids:
+                attn = adapter.layers[i].self_attn
+                scale = adapter.input_norm(i).weight.float() + offset
+                for proj in (attn.k_proj, attn.v_proj):
+                    rows.append((proj.weight.float() * scale[None, :]).to(proj.weight.dtype))
+                    biases.append(proj.bias)
+            self.weight = torch.cat(rows, dim=0).contiguous()
+            self.bias = None if biases[0] is None else torch.cat(biases, dim=0).contiguous()
+            k_norms = [adapter.k_norm(i) for i in layer_ids]
+            if any(n is None for n in k_norms):
+                self.k_norm_weight = None
+            else:
+                self.k_norm_weight = torch.stack([n.weight.float() + offset for n in k_norms])[:, None, :]
+                self.k_norm_eps = norm_eps(k_norms[0])
+        self.types = [adapter.layer_types[i] for i in layer_ids]
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values stacked over layers: each (k, B, kv_heads, T, head_dim)."""
+        batch, length, _ = hidden.shape
+        h = hidden.float()
+        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden.dtype)
+        out = torch.nn.functional.linear(normed, self.weight, self.bias)
+        out = out.view(batch, length, len(self.layer_ids), 2, self.num_kv_heads, self.head_dim)
+        keys, values = out[:, :, :, 0], out[:, :, :, 1]  # (B, T, k, H, D)
+        if self.k_norm_weight is not None:
+            kf = keys.float()
+            kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + self.k_norm_eps)
+            keys = (kf * self.k_norm_weight).to(hidden.dtype)
+        keys = keys.permute(2, 0, 3, 1, 4)  # (k, B, H, T, D)
+        values = values.permute(2, 0, 3, 1, 4)
+        rotated = torch.empty_like(keys)
+        for layer_type in set(self.types):
+            idx = [j for j, t in enumerate(self.types) if t == layer_type]
+            cos, sin = rope[layer_type]
+            sel = keys if len(idx) == len(self.types) else keys[idx]
+            rotated[idx] = apply_rope(sel, cos, sin)
+        return rotated, values
+
+
+# ---- 3. boundary step -----------------------------------------------------------------------------------------
+def boundary_step(adapter: FamilyAdapter, prompt: Prompt, cache, layers) -> torch.Tensor:
+    """Run the last prompt token through `layers` (all of them, for POP) and return its logits."""
+    last = prompt.length - 1
+    hidden = adapter.run_layers(
+        prompt.embeds[:, last:], adapter.positions_between(prompt, last, last + 1), cache, layers,
+        prompt=prompt, span=(last, last + 1),
+    )
+    return adapter.logits(hidden[:, -1:])[:, -1]
+
+
+# ---- the prefill of each mode ---------------------------------------------------------------------------------
+def prefill(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, clock=None) -> torch.Tensor:
+    """Fill `cache` with the prompt and return the logits of the first generated token, shape (1, vocab).
+
+    `clock`, when given, is called with a stage name ("prefill", "first_token") when that stage ends.
+    """
+    clock = clock or (lambda stage: None)
+    n = prompt.length
+    if plan.mode != "pop" or not plan.boundary:
+        # One pass over the whole prompt: the plain model (full), the shortened model (static), or POP
+        # without its boundary step, whose first token then comes from the pruned stack.
+        hidden = pruned_prefill(adapter, prompt, cache, plan.kept, n)
+        if plan.mode == "pop" and plan.kv_projection:
+            project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned, plan.fused)
+        clock("prefill")
+        logits = adapter.logits(hidden[:, -1:])[:, -1]
+        clock("first_token")
+        return logits
+    if prompt.image_mask is not None and bool(prompt.image_mask[0, -1]):
+        raise ValueError(
+            "the prompt ends with an image token; POP runs the last prompt token through the full model and "
+            "expects it to be text (a chat template with a generation prompt ends with text)"
+        )
+    if n < 2:
+        raise ValueError("POP needs a prompt of at least two tokens (the last one runs through the full model)")
+    hidden = pruned_prefill(adapter, prompt, cache, plan.kept, n - 1)
+    if plan.kv_projection:
+        project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned, plan.fused)
+    clock("prefill")
+    logits = boundary_step(adapter, prompt, cache, plan.decode_layers)
+    clock("first_token")
+    return logits

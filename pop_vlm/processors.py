@@ -1,0 +1,54 @@
+"""Processors that work without torchvision.
+
+transformers' Qwen3-VL processor insists on a video processor, and the video processor needs torchvision,
+which is not installable beside every torch build. Images need neither, so these classes build and load an
+image-only processor from the same files `save_pretrained` writes.
+"""
+from __future__ import annotations
+
+import os
+
+from transformers import AutoTokenizer
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+
+class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+    """`Qwen3VLProcessor` that accepts `video_processor=None` (images and text only)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument is None and argument_name == "video_processor":
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def load_qwen3_vl_processor(path: str | os.PathLike):
+    """Load a Qwen3-VL processor from a local folder, with or without torchvision."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    try:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(path)
+    except (ImportError, AttributeError, TypeError, ValueError, OSError):
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    chat_template = _read_chat_template(path) or tokenizer.chat_template
+    return ImageOnlyQwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template
+    )
+
+
+def _read_chat_template(path) -> str | None:
+    for name in ("chat_template.jinja",):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as handle:
+                return handle.read()
+    file = os.path.join(path, "chat_template.json")
+    if os.path.isfile(file):
+        import json
+
+        with open(file, encoding="utf-8") as handle:
+            return json.load(handle).get("chat_template")
+    return None
