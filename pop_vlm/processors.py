@@ -20,6 +20,16 @@ class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
             return None
         return super().check_argument_for_proper_class(argument_name, argument)
 
+    def save_pretrained(self, save_directory, **kwargs):
+        """Write the tokenizer, the image processor and the chat template (what `load_qwen3_vl_processor` reads)."""
+        os.makedirs(save_directory, exist_ok=True)
+        self.tokenizer.save_pretrained(save_directory)
+        self.image_processor.save_pretrained(save_directory)
+        if self.chat_template:
+            with open(os.path.join(save_directory, "chat_template.jinja"), "w", encoding="utf-8") as handle:
+                handle.write(self.chat_template)
+        return [save_directory]
+
 
 def load_qwen3_vl_processor(path: str | os.PathLike):
     """Load a Qwen3-VL processor from a local folder, with or without torchvision."""

@@ -119,7 +119,7 @@ def tiny_qwen3_vl(num_layers: int = 6, seed: int = 0, max_pixels: int = 64 * 64 
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True),
-            tie_word_embeddings=True,
+            tie_word_embeddings=True, initializer_range=0.2,
         ),
         vision_config=dict(
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
@@ -150,7 +150,7 @@ def _gemma3_text_config(vocab_size: int, num_layers: int, sliding_window: int, *
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
         sliding_window=sliding_window, layer_types=layer_types, max_position_embeddings=4096,
-        final_logit_softcapping=30.0, **extra,
+        final_logit_softcapping=30.0, initializer_range=0.2, **extra,
     )
 
 
@@ -211,7 +211,7 @@ def tiny_text_decoder(architecture: str = "LlamaForCausalLM", num_layers: int = 
     config = config_class(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), tie_word_embeddings=True, initializer_range=0.2,
     )
     _seeded(seed)
     model = getattr(transformers, architecture)(config).eval()
