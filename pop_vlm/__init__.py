@@ -1,7 +1,8 @@
 """pop-vlm: vision-language models that answer faster by Prefill-Only Pruning (POP)."""
 from .config import MODES, PopConfig
 from .generate import Answer, SamplingParams, Timings
+from .importance import LayerImportance
 from .pipeline import Pipeline, answer, load
 
-__all__ = ["MODES", "Answer", "Pipeline", "PopConfig", "SamplingParams", "Timings", "answer", "load"]
+__all__ = ["MODES", "Answer", "LayerImportance", "Pipeline", "PopConfig", "SamplingParams", "Timings", "answer", "load"]
 __version__ = "0.1.0"

@@ -62,6 +62,84 @@ def cmd_answer(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The web app and the OpenAI-style API in one process."""
+    import uvicorn
+
+    from app.models import ModelManager
+    from app.openai_api import ImageFetchPolicy
+    from app.server import create_app
+
+    manager = ModelManager(args.model, device=args.device, dtype=args.dtype, allowed_root=args.allowed_model_root)
+    if manager.default is None:
+        print("error: no model given and no default model is installed; use --model", file=sys.stderr)
+        return 2
+    policy = ImageFetchPolicy(allow_remote=args.allow_remote_images)
+    app = create_app(manager, policy=policy, queue_size=args.queue_size)
+    print(f"pop-vlm serving {manager.default} on http://{args.host}:{args.port}  (API: /v1/chat/completions, /healthz)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _load_for_study(args):
+    import torch
+
+    from .pipeline import default_model_name, load
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = args.model or default_model_name()
+    if name is None:
+        raise ValueError("no model given and no default model is installed; use --model")
+    return load(name, device=args.device, dtype=args.dtype)
+
+
+def cmd_importance(args) -> int:
+    """Per-stage virtual-gate importance and Block Influence: importance.json and importance.png in --out."""
+    from pathlib import Path
+
+    pipe = _load_for_study(args)
+    profile = pipe.importance(n_prompts=args.prompts, samples_per_prompt=args.samples_per_prompt,
+                              prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens, seed=args.seed,
+                              budget=args.budget, progress=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile.to_json(out / "importance.json")
+    profile.plot(out / "importance.png")
+    print(f"{'layer':>5}{'prefill':>12}{'decode':>12}{'BI':>8}")
+    for row in profile.as_table():
+        print(f"{row['layer']:>5}{row['prefill_share']:>12.4f}{row['decode_share']:>12.4f}{row['block_influence']:>8.3f}")
+    print(f"auto k (budget {args.budget:.0%} of prefill importance): {pipe.auto_k}")
+    print(f"wrote {out / 'importance.json'} and {out / 'importance.png'}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """Fidelity (agreement, KL), passkey and image QA of full / pop / static / ablations: eval.{json,md,png}."""
+    import json
+    from pathlib import Path
+
+    from . import evaluate
+    from .importance import LayerImportance
+
+    pipe = _load_for_study(args)
+    if args.importance:
+        pipe.auto_k = LayerImportance.from_json(args.importance).auto_k(args.budget)
+    qa = None
+    if args.qa:
+        with open(args.qa) as f:
+            qa = [json.loads(line) for line in f if line.strip()]
+    results = evaluate.run_eval(
+        pipe, ks=args.ks, n_prompts=args.prompts, prompt_tokens=args.prompt_tokens, continuation=args.continuation,
+        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials, passkey_ks=args.passkey_ks, qa_samples=qa, seed=args.seed,
+        progress=True,
+    )
+    paths = evaluate.save(results, args.out)
+    print(evaluate.markdown_table(results))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pop-vlm", description="Vision-language models with Prefill-Only Pruning")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +159,47 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--dtype", default="auto")
     ask.add_argument("--json", action="store_true", help="print the answers as JSON")
     ask.set_defaults(func=cmd_answer)
+
+    serve = sub.add_parser("serve", help="start the web app and the OpenAI-style HTTP API")
+    serve.add_argument("--model", help="default model (hub id, local folder or bundled name)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond this are refused")
+    serve.add_argument("--allow-remote-images", action="store_true", help="let the API fetch http(s) image URLs")
+    serve.add_argument("--allowed-model-root", help="local model folders must lie under this folder")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+    from .bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub, parse_prune_layers)
+
+    for name, func, text in (("importance", cmd_importance, "per-stage layer importance (JSON + PNG)"),
+                             ("eval", cmd_eval, "fidelity of pop / static / ablations against the full model")):
+        study = sub.add_parser(name, help=text)
+        study.add_argument("--model", help="hub id, local folder or zoo name (e.g. gemma-3-270m)")
+        study.add_argument("--out", required=True, help="output folder")
+        study.add_argument("--prompts", type=int, default=8, help="calibration / evaluation prompts")
+        study.add_argument("--prompt-tokens", type=int, default=192 if name == "importance" else 256)
+        study.add_argument("--seed", type=int, default=0)
+        study.add_argument("--budget", type=float, default=0.02, help="'auto' budget: share of prefill importance")
+        study.add_argument("--device", default="auto")
+        study.add_argument("--dtype", default="auto")
+        study.add_argument("--threads", type=int, help="torch CPU threads")
+        if name == "importance":
+            study.add_argument("--samples-per-prompt", type=int, default=4, help="label draws per prompt (Fisher)")
+            study.add_argument("--answer-tokens", type=int, default=32)
+        else:
+            study.add_argument("--ks", type=int, nargs="+", help="prune depths (default L/6 .. L/2)")
+            study.add_argument("--continuation", type=int, default=32, help="teacher-forced tokens per prompt")
+            study.add_argument("--passkey-lengths", type=int, nargs="*", default=[256, 1024, 4096])
+            study.add_argument("--passkey-trials", type=int, default=4, help="prompts per length")
+            study.add_argument("--passkey-ks", type=int, nargs="+", help="prune depths for passkey (default: --ks)")
+            study.add_argument("--importance", help="importance.json: adds pop at its auto k")
+            study.add_argument("--qa", help="jsonl of {image, question, answer} for image QA (VLMs)")
+        study.set_defaults(func=func)
     return parser
 
 

@@ -9,6 +9,14 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 
+#: Images with more pixels than this are refused before they are decoded (POP_VLM_MAX_IMAGE_PIXELS). It stays
+#: below Pillow's own decompression-bomb limit, which remains on.
+MAX_IMAGE_PIXELS = int(os.environ.get("POP_VLM_MAX_IMAGE_PIXELS", 64_000_000))
+#: Longer-than-wide (or wider-than-long) images beyond this ratio are padded with white to it: vision processors
+#: refuse extreme aspect ratios (Qwen's at 200:1).
+MAX_ASPECT_RATIO = 50
+
+
 class ImageError(ValueError):
     """The image could not be read or is not usable."""
 
@@ -24,6 +32,8 @@ def load_image(image) -> Image.Image | None:
         try:
             with Image.open(path) as opened:
                 return to_rgb(opened)
+        except Image.DecompressionBombError:
+            raise ImageError(_too_large()) from None
         except (UnidentifiedImageError, OSError, SyntaxError) as err:
             raise ImageError(f"cannot read {path.name} as an image: {err}") from None
     if isinstance(image, (bytes, bytearray)):
@@ -32,6 +42,8 @@ def load_image(image) -> Image.Image | None:
         try:
             with Image.open(io.BytesIO(image)) as opened:
                 return to_rgb(opened)
+        except Image.DecompressionBombError:
+            raise ImageError(_too_large()) from None
         except (UnidentifiedImageError, OSError, SyntaxError) as err:
             raise ImageError(f"cannot read the uploaded bytes as an image: {err}") from None
     if isinstance(image, Image.Image):
@@ -41,15 +53,28 @@ def load_image(image) -> Image.Image | None:
     raise ImageError(f"unsupported image type {type(image).__name__}: pass a path, bytes, a PIL image or a numpy array")
 
 
+def _too_large() -> str:
+    return (f"the image is too large to decode safely (Pillow's decompression-bomb guard); the limit is "
+            f"{MAX_IMAGE_PIXELS / 1e6:.0f} megapixels")
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """First frame, EXIF orientation applied, alpha composited on white, 16-bit scaled down, as RGB."""
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ImageError(
+            f"the image is {width}×{height} = {width * height / 1e6:.0f} megapixels; the limit is "
+            f"{MAX_IMAGE_PIXELS / 1e6:.0f} megapixels"
+        )
     try:
         image.seek(0)
     except (AttributeError, EOFError):
         pass
     try:
         image.load()
-    except (OSError, SyntaxError) as err:
+    except Image.DecompressionBombError:
+        raise ImageError(_too_large()) from None
+    except (OSError, SyntaxError, ValueError) as err:
         raise ImageError(f"the image data is corrupt or truncated: {err}") from None
     image = ImageOps.exif_transpose(image) or image
     if image.width < 1 or image.height < 1:
@@ -88,3 +113,19 @@ def _array_to_uint8(array: np.ndarray) -> np.ndarray:
     if array.dtype == np.bool_:
         return array.astype(np.uint8) * 255
     raise ImageError(f"unsupported image array dtype {array.dtype}")
+
+
+def fit_image(image: Image.Image, max_pixels: int | None) -> Image.Image:
+    """Downscale to at most `max_pixels` (the processor's budget: no point preprocessing more) and pad extreme
+    aspect ratios with white, so that every readable image reaches the model."""
+    width, height = image.size
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        side = max(width, height)
+        new_size = (side, -(-side // MAX_ASPECT_RATIO)) if width >= height else (-(-side // MAX_ASPECT_RATIO), side)
+        canvas = Image.new("RGB", new_size, (255, 255, 255))
+        canvas.paste(image, ((new_size[0] - width) // 2, (new_size[1] - height) // 2))
+        image, (width, height) = canvas, new_size
+    if max_pixels and width * height > max_pixels:
+        scale = (max_pixels / (width * height)) ** 0.5
+        image = image.resize((max(1, int(width * scale)), max(1, int(height * scale))), Image.Resampling.BICUBIC)
+    return image

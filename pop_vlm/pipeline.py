@@ -10,7 +10,8 @@ import torch
 from .config import PopConfig, check_mode
 from .families import adapter_class_for, detect_family
 from .generate import Answer, GenerationResult, SamplingParams, Timings, generate_tokens
-from .images import load_image
+from .images import fit_image, load_image
+from .pop import make_plan
 
 VLM_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 
@@ -105,6 +106,17 @@ class Pipeline:
     def num_layers(self) -> int:
         return self.adapter.num_layers
 
+    @property
+    def max_image_pixels(self) -> int | None:
+        """The most pixels the image processor keeps (larger images are downscaled before it)."""
+        image_processor = getattr(self.processor, "image_processor", None)
+        size = getattr(image_processor, "size", None) or {}
+        if size.get("longest_edge") and "shortest_edge" in size:  # Qwen-VL: a pixel budget
+            return int(size["longest_edge"])
+        if size.get("height") and size.get("width"):  # fixed-size processors (Gemma-3, SigLIP)
+            return int(size["height"] * size["width"] * 4)
+        return None
+
     def _eos_token_ids(self) -> set[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None:
@@ -119,20 +131,48 @@ class Pipeline:
         model's chat template if it has one, else the plain question."""
         if not isinstance(question, str) or not question.strip():
             raise ValueError("the question is empty")
-        picture = load_image(image)
-        if picture is not None and not self.is_multimodal:
-            raise ValueError(f"{self.name} is a text-only model; it cannot take an image")
+        content = ([{"type": "image", "image": image}] if image is not None else []) + [{"type": "text", "text": question}]
+        return self.build_chat_inputs([{"role": "user", "content": content}])
+
+    def build_chat_inputs(self, messages: list[dict]) -> dict:
+        """Processor output for a conversation: messages with `role` and `content` (a string, or parts
+        `{"type": "text", "text": ...}` and `{"type": "image", "image": <path, bytes, PIL, numpy>}`)."""
+        if not messages:
+            raise ValueError("the conversation has no messages")
+        images, template_messages, texts = [], [], []
+        for message in messages:
+            role, content = message.get("role"), message.get("content")
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"unknown message role {role!r}: use system, user or assistant")
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+            out_parts = []
+            for part in parts:
+                if part.get("type") == "text":
+                    out_parts.append({"type": "text", "text": str(part.get("text", ""))})
+                    texts.append(str(part.get("text", "")))
+                elif part.get("type") == "image":
+                    picture = load_image(part.get("image"))
+                    if picture is None:
+                        continue
+                    picture = fit_image(picture, self.max_image_pixels)
+                    if not self.is_multimodal:
+                        raise ValueError(f"{self.name} is a text-only model; it cannot take an image")
+                    images.append(picture)
+                    out_parts.append({"type": "image"})
+                else:
+                    raise ValueError(f"unknown content part type {part.get('type')!r}: use text or image")
+            template_messages.append({"role": role, "content": out_parts})
+        if not "".join(texts).strip():
+            raise ValueError("the question is empty")
         if self.is_multimodal:
-            content = ([{"type": "image"}] if picture is not None else []) + [{"type": "text", "text": question}]
-            messages = [{"role": "user", "content": content}]
-            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            inputs = self.processor(images=[picture] if picture is not None else None, text=[text], return_tensors="pt")
+            text = self.processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+            inputs = self.processor(images=images or None, text=[text], return_tensors="pt")
         elif getattr(self.tokenizer, "chat_template", None):
-            messages = [{"role": "user", "content": question}]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            flat = [{"role": m["role"], "content": "".join(p["text"] for p in m["content"])} for m in template_messages]
+            text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
             inputs = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
-        else:
-            inputs = self.tokenizer(question, return_tensors="pt")
+        else:  # a base model: the plain text
+            inputs = self.tokenizer("\n".join(t for t in texts if t), return_tensors="pt")
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     # ---- answering -------------------------------------------------------------------------------------------
@@ -145,8 +185,14 @@ class Pipeline:
         check_mode(mode)
         start = time.perf_counter()
         inputs = self.build_inputs(image, question)
-        preprocess_s = time.perf_counter() - start
-        return self._stream(inputs, mode, pop, preprocess_s=preprocess_s, **kwargs)
+        return self._stream(inputs, mode, pop, preprocess_s=time.perf_counter() - start, **kwargs)
+
+    def stream_chat(self, messages: list[dict], mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Iterator:
+        """`stream` for a whole conversation (see `build_chat_inputs`)."""
+        check_mode(mode)
+        start = time.perf_counter()
+        inputs = self.build_chat_inputs(messages)
+        return self._stream(inputs, mode, pop, preprocess_s=time.perf_counter() - start, **kwargs)
 
     def generate(self, inputs: dict, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Answer:
         """Answer for a processor's output (already built inputs)."""
@@ -154,16 +200,34 @@ class Pipeline:
         *_, answer = self._stream(inputs, mode, pop, **kwargs)
         return answer
 
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.adapter.config, "max_position_embeddings", None)
+
     def _stream(self, inputs, mode, pop, *, preprocess_s: float = 0.0, max_new_tokens: int = 128,
                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None, output_scores: bool = False):
+                seed: int | None = None, output_scores: bool = False, time_limit_s: float | None = None):
+        """Check everything that can be checked before any model work, then return the generator."""
         check_mode(mode)
         pop = pop if pop is not None else PopConfig()
         sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        make_plan(self.adapter, mode, pop, self.auto_k)  # a bad k or a protected layer fails here, before any work
+        n_prompt = int(inputs["input_ids"].shape[-1])
+        if self.context_length and n_prompt + max_new_tokens > self.context_length:
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens; with max_new_tokens={max_new_tokens} it exceeds the model's "
+                f"context of {self.context_length} tokens"
+            )
+        return self._generate_text(inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores, time_limit_s)
+
+    def _generate_text(self, inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores, time_limit_s):
         result = GenerationResult(timings=Timings(preprocess_s=preprocess_s))
         tokens = generate_tokens(
             self.adapter, inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=self.eos_token_ids, output_scores=output_scores, result=result, auto_k=self.auto_k,
+            time_limit_s=time_limit_s,
         )
         shown = ""
         for _ in tokens:
@@ -189,6 +253,21 @@ class Pipeline:
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- importance ------------------------------------------------------------------------------------------
+    def importance(self, samples=None, *, budget: float | None = None, **kwargs):
+        """Virtual-gate Fisher importance per stage and Block Influence (see `pop_vlm.importance`).
+
+        samples: texts, (image, question[, answer]) tuples, or None for passages of CPython's pydoc topics.
+        Sets `self.auto_k` to the profile's `auto_k(budget)` (default 2 % of the prefill importance), which
+        `PopConfig(prune_layers="auto")` then uses. Returns the `LayerImportance`.
+        """
+        from .importance import DEFAULT_BUDGET, compute_importance
+
+        budget = DEFAULT_BUDGET if budget is None else budget
+        profile = compute_importance(self, samples, budget=budget, **kwargs)
+        self.auto_k = profile.auto_k(budget)
+        return profile
 
 
 _DEFAULT: dict[str, Pipeline] = {}

@@ -124,12 +124,14 @@ class FusedKVProjection:
             keys = (kf * self.k_norm_weight).to(hidden.dtype)
         keys = keys.permute(2, 0, 3, 1, 4)  # (k, B, H, T, D)
         values = values.permute(2, 0, 3, 1, 4)
+        if len(set(self.types)) == 1:  # one RoPE for all skipped layers: no scatter into a second buffer
+            cos, sin = rope[self.types[0]]
+            return apply_rope(keys, cos, sin), values
         rotated = torch.empty_like(keys)
         for layer_type in set(self.types):
             idx = [j for j, t in enumerate(self.types) if t == layer_type]
             cos, sin = rope[layer_type]
-            sel = keys if len(idx) == len(self.types) else keys[idx]
-            rotated[idx] = apply_rope(sel, cos, sin)
+            rotated[idx] = apply_rope(keys[idx], cos, sin)
         return rotated, values
 
 

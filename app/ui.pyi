@@ -1,0 +1,255 @@
+"""The Gradio page: one question, answered by the full model and by POP side by side."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+from PIL import UnidentifiedImageError
+
+from pop_vlm import PopConfig, zoo
+
+from .charts import importance_chart, ttft_chart
+from .models import ModelError, ModelManager
+
+STAGES = (("preprocess", "preprocess_s"), ("vision", "vision_s"), ("prefill", "prefill_s"), ("first token", "first_token_s"))
+
+from gradio.events import Dependency
+
+class SafeImage(gr.Image):
+    """gr.Image that turns an unreadable upload into a clear message instead of a server error."""
+
+    @classmethod
+    def get_block_name(cls) -> str:
+        return "image"
+
+    def preprocess(self, payload):
+        path = getattr(payload, "path", None)
+        if path and os.path.isfile(path) and os.path.getsize(path) == 0:
+            raise gr.Error("The uploaded file is empty (0 bytes).")
+        try:
+            return super().preprocess(payload)
+        except Image.DecompressionBombError:
+            raise gr.Error(f"The image is too large: the limit is {pop_vlm.images.MAX_IMAGE_PIXELS / 1e6:.0f} "
+                           "megapixels.") from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+            raise gr.Error("The uploaded file is not a readable image (PNG, JPEG, GIF, WebP, BMP, TIFF).") from None
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+
+def parse_prune_layers(value):
+    """The k of a request: 'auto', an int, a fraction in (0, 1), or empty for the default (L/3)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return PopConfig().prune_layers
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value) if float(value).is_integer() and value >= 1 or value == 0 else float(value)
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"prune_layers must be a layer count, a fraction of the layers, or 'auto'; got {value!r}") from None
+    return int(number) if number.is_integer() else number
+
+
+def timing_markdown(answer) -> str:
+    t = answer.timings
+    stages = " · ".join(f"{label} {getattr(t, key) * 1e3:.1f}" for label, key in STAGES)
+    pruned = f" · prefill skips layers {answer.pruned_layers[0]}–{answer.pruned_layers[-1]}" if answer.pruned_layers else ""
+    return (f"**TTFT {t.ttft_s * 1e3:.1f} ms** ({stages} ms)  \n"
+            f"decode {t.decode_tokens_per_s:.1f} tok/s · {answer.n_prompt_tokens} prompt tokens "
+            f"({answer.n_image_tokens} image){pruned}")
+
+
+def speedup_markdown(results: dict) -> str:
+    if "full" not in results or "pop" not in results:
+        return ""
+    full, pop = results["full"].timings, results["pop"].timings
+    ttft = full.ttft_s / pop.ttft_s if pop.ttft_s > 0 else float("nan")
+    prefill = full.prefill_s / (pop.prefill_s + pop.first_token_s) if pop.prefill_s > 0 else float("nan")
+    return f"## POP TTFT speedup ×{ttft:.2f}\nLM prefill + first token ×{prefill:.2f}"
+
+
+def comparison(manager: ModelManager, image, question, model, prune_layers, max_new_tokens, *,
+               kv_projection=True, boundary=True, with_static=False, pop_first=False):
+    """Run full and POP (and static) one after the other; yield (mode, text so far, Answer or None)."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("Please type a question.")
+    try:
+        max_new_tokens = int(max_new_tokens)
+    except (TypeError, ValueError):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}") from None
+    if not 1 <= max_new_tokens <= 1024:
+        raise ValueError("max_new_tokens must be between 1 and 1024")
+    pipe = manager.get(model)
+    if image is not None and not pipe.is_multimodal:
+        raise ValueError(f"{model or manager.default} is a text-only model: remove the image or pick a VLM")
+    pop = PopConfig(prune_layers=parse_prune_layers(prune_layers), kv_projection=kv_projection, boundary=boundary)
+    modes = ["pop", "full"] if pop_first else ["full", "pop"]
+    if with_static:
+        modes.append("static")
+    with manager.run_lock:
+        for mode in modes:
+            text = ""
+            for piece in pipe.stream(image, question, mode=mode, pop=pop, max_new_tokens=max_new_tokens):
+                if isinstance(piece, str):
+                    text += piece
+                    yield mode, text, None
+                else:
+                    yield mode, piece.text, piece
+
+
+def compare_json(manager: ModelManager, image, question, model, prune_layers, max_new_tokens) -> dict:
+    """Both answers and both timing sets, as the `/compare` API returns them."""
+    results = {}
+    for mode, _, answer in comparison(manager, image, question, model, prune_layers, max_new_tokens):
+        if answer is not None:
+            results[mode] = answer.as_dict()
+    full, pop = results["full"]["timings"], results["pop"]["timings"]
+    return {
+        "model": model or manager.default,
+        "question": question,
+        "full": results["full"],
+        "pop": results["pop"],
+        "ttft_speedup": full["ttft_s"] / pop["ttft_s"] if pop["ttft_s"] > 0 else None,
+    }
+
+
+def examples() -> list[list]:
+    images = zoo.assets_dir() / "images"
+    rows = [[str(path), "What is in the picture?"] for path in sorted(images.glob("*.jpg"))]
+    shapes = zoo.assets_dir() / "qa" / "examples"
+    rows += [[str(path), path.stem.replace("_", " ") + "?"] for path in sorted(shapes.glob("*.png"))][:4]
+    return rows
+
+
+def build_demo(manager: ModelManager) -> gr.Blocks:
+    with gr.Blocks(title="pop-vlm: Prefill-Only Pruning") as demo:
+        gr.Markdown("# pop-vlm — Prefill-Only Pruning\nThe prompt (and the image's tokens) run through the first "
+                    "L−k layers only; the answer is decoded with the full model. Same question, both ways:")
+        history = gr.State([])
+        turn = gr.State(0)
+        with gr.Row():
+            with gr.Column(scale=1):
+                image = SafeImage(type="filepath", label="Image", elem_id="image", height=280)
+                question = gr.Textbox(label="Question", placeholder="What is in the picture?", elem_id="question")
+                model = gr.Dropdown(manager.choices(), value=manager.default, label="Model", allow_custom_value=True,
+                                    info="bundled demo VLMs, gemma-3-270m (text only), a hub id or a local folder",
+                                    elem_id="model")
+                with gr.Row():
+                    depth = gr.Slider(0, 64, value=0, step=1, label="POP depth k (0 = L/3)", elem_id="depth")
+                    auto = gr.Checkbox(label="auto k", value=False)
+                max_new = gr.Slider(1, 256, value=32, step=1, label="max new tokens")
+                with gr.Accordion("Advanced", open=False):
+                    no_kv = gr.Checkbox(label="ablation: no KV projection for skipped layers")
+                    no_boundary = gr.Checkbox(label="ablation: no boundary step (first token from pruned stack)")
+                    with_static = gr.Checkbox(label="also run the static baseline (the same layers removed everywhere)")
+                run = gr.Button("Ask both", variant="primary", elem_id="run")
+                if examples():
+                    gr.Examples(examples(), inputs=[image, question])
+            with gr.Column(scale=2):
+                speedup = gr.Markdown(elem_id="speedup")
+                with gr.Row():
+                    with gr.Column():
+                        gr.Markdown("### Full model")
+                        full_text = gr.Textbox(label="answer", lines=4, elem_id="full-answer")
+                        full_timing = gr.Markdown(elem_id="full-timing")
+                    with gr.Column():
+                        gr.Markdown("### POP")
+                        pop_text = gr.Textbox(label="answer", lines=4, elem_id="pop-answer")
+                        pop_timing = gr.Markdown(elem_id="pop-timing")
+                    with gr.Column(visible=False) as static_column:
+                        gr.Markdown("### Static removal")
+                        static_text = gr.Textbox(label="answer", lines=4, elem_id="static-answer")
+                        static_timing = gr.Markdown(elem_id="static-timing")
+                chart = gr.Plot(label="time to first token", elem_id="ttft-chart")
+                with gr.Accordion("Layer importance", open=True):
+                    importance_plot = gr.Plot(label="prefill vs decode importance", elem_id="importance")
+                    importance_note = gr.Markdown()
+                    compute = gr.Button("Compute importance for this model")
+
+        def prune_value(k, use_auto):
+            return "auto" if use_auto else (int(k) if k else None)
+
+        def on_run(image, question, model, k, use_auto, max_new, no_kv, no_boundary, with_static, history, turn):
+            texts = {"full": "", "pop": "", "static": ""}
+            timings = {"full": "", "pop": "", "static": ""}
+            results = {}
+
+            def frame(chart_fig=gr.skip()):
+                return (texts["full"], texts["pop"], texts["static"], timings["full"], timings["pop"], timings["static"],
+                        speedup_markdown(results), chart_fig, history, turn + 1, gr.update(visible=bool(with_static)))
+
+            try:
+                for mode, text, answer in comparison(
+                    manager, image, question, model, prune_value(k, use_auto), max_new, kv_projection=not no_kv,
+                    boundary=not no_boundary, with_static=with_static, pop_first=bool(turn % 2),
+                ):
+                    texts[mode] = text
+                    if answer is not None:
+                        results[mode] = answer
+                        timings[mode] = timing_markdown(answer)
+                    yield frame()
+            except (ValueError, ModelError) as err:
+                raise gr.Error(str(err)) from None
+            history = history + [{m: a.timings.as_dict() for m, a in results.items()}]
+            yield frame(ttft_chart(history))
+
+        outputs = [full_text, pop_text, static_text, full_timing, pop_timing, static_timing, speedup, chart, history,
+                   turn, static_column]
+        run_inputs = [image, question, model, depth, auto, max_new, no_kv, no_boundary, with_static, history, turn]
+        run.click(on_run, run_inputs, outputs, api_name="ask", concurrency_id="model", concurrency_limit=1)
+        question.submit(on_run, run_inputs, outputs, api_visibility="private", concurrency_id="model", concurrency_limit=1)
+
+        def show_importance(model, k, use_auto):
+            try:
+                name = manager.check_name(model)
+                profile = manager.cached_importance(name)
+            except (ValueError, ModelError) as err:
+                return None, str(err)
+            if profile is None:
+                return None, "No importance profile for this model yet: press *Compute importance*."
+            layers = len(profile.prefill)
+            try:
+                k_value = PopConfig(prune_layers=prune_value(k, use_auto) or PopConfig().prune_layers).num_pruned(
+                    layers, profile.auto_k())
+            except ValueError as err:
+                return None, str(err)
+            pruned = list(range(layers - k_value, layers))
+            return importance_chart(profile.prefill, profile.decode, pruned), f"{layers} layers; k = {k_value} shaded."
+
+        def on_compute(model, k, use_auto, progress=gr.Progress()):
+            try:
+                manager.compute_importance(manager.check_name(model), progress=progress.tqdm if progress else None)
+            except (ValueError, ModelError) as err:
+                raise gr.Error(str(err)) from None
+            return show_importance(model, k, use_auto)
+
+        for trigger in (model.change, depth.release, auto.change):
+            trigger(show_importance, [model, depth, auto], [importance_plot, importance_note], api_visibility="private")
+        demo.load(show_importance, [model, depth, auto], [importance_plot, importance_note], api_visibility="private")
+        compute.click(on_compute, [model, depth, auto], [importance_plot, importance_note], api_name="importance",
+                      concurrency_id="model", concurrency_limit=1)
+
+        # `/compare`: the API form — (image, question, model, prune_layers, max_new_tokens) -> JSON
+        api_prune = gr.Textbox(visible=False)
+        api_result = gr.JSON(visible=False)
+        api_button = gr.Button(visible=False)
+
+        def on_compare(image, question, model, prune_layers, max_new_tokens):
+            try:
+                return compare_json(manager, image, question, model, prune_layers, max_new_tokens)
+            except (ValueError, ModelError) as err:
+                raise gr.Error(str(err)) from None
+
+        api_button.click(on_compare, [image, question, model, api_prune, max_new], api_result, api_name="compare",
+                         concurrency_id="model", concurrency_limit=1)
+    return demo
+
+
+def asset_paths() -> list[str]:
+    return [str(Path(zoo.assets_dir()).resolve())]

@@ -1,0 +1,323 @@
+"""Fidelity of POP against the full model and static layer removal, on the same weights.
+
+Variants (each at several prune depths k): ``full``; ``pop``; ``static`` (the same k layers removed in prefill
+and decode, ShortGPT-style); ``pop-no-kv`` (no K/V projection for the skipped layers); ``pop-no-boundary``
+(first token from the pruned stack); ``pop-auto`` (k from the importance profile, one depth).
+
+Measures:
+- **Agreement and KL, teacher-forced.** The full model greedily continues a prompt for T tokens; every variant
+  is then fed exactly those tokens through its own prefill and decode path (`forced_logits`). Agreement is the
+  fraction of steps at which the variant's argmax equals the full model's token; KL is KL(p_full ‖ p_variant)
+  at the first token and averaged along the continuation.
+- **Passkey retrieval.** A 5-digit key at a random depth of real filler text (CPython's pydoc topics), asked for
+  at the end; accuracy by context length.
+- **Image QA** (VLMs): exact-containment accuracy over given (image, question, answer) triples.
+
+Prompts, keys and depths come from a seeded generator at run time; nothing is chosen per mode.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from .config import PopConfig
+from .families.base import FamilyAdapter
+from .generate import decode_one_token, generate_tokens
+from .importance import pydoc_corpus, text_passages
+from .pop import PrefillPlan, make_plan, prefill
+
+VARIANTS = ("full", "pop", "static", "pop-no-kv", "pop-no-boundary", "pop-auto")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    k: int
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name == "full" else f"{self.name}@{self.k}"
+
+
+def variant_plan(adapter: FamilyAdapter, variant: Variant) -> PrefillPlan:
+    if variant.name == "full":
+        return make_plan(adapter, "full")
+    mode = "static" if variant.name == "static" else "pop"
+    pop = PopConfig(prune_layers=variant.k, kv_projection=variant.name != "pop-no-kv",
+                    boundary=variant.name != "pop-no-boundary")
+    return make_plan(adapter, mode, pop)
+
+
+def variants_for(ks: Sequence[int], names: Sequence[str] = VARIANTS, auto_k: int | None = None) -> list[Variant]:
+    out = [Variant("full", 0)] if "full" in names else []
+    for k in ks:
+        out += [Variant(n, k) for n in names if n not in ("full", "pop-auto")]
+    if "pop-auto" in names and auto_k is not None:
+        out.append(Variant("pop-auto", auto_k))
+    return out
+
+
+# ---- teacher forcing ---------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def forced_logits(adapter: FamilyAdapter, inputs: dict, plan: PrefillPlan, tokens: Sequence[int]) -> torch.Tensor:
+    """Logits (T, vocab) of a plan's generation path when it is fed `tokens` instead of its own choices:
+    row t predicts tokens[t]. The prefill is `pop.prefill` and each step `generate.decode_one_token`, exactly
+    as in `generate_tokens`."""
+    prompt = adapter.encode(inputs)
+    cache = adapter.new_cache()
+    rows = [prefill(adapter, prompt, cache, plan)[0].float()]
+    for t, token in enumerate(tokens[:-1]):
+        rows.append(decode_one_token(adapter, prompt, cache, int(token), prompt.length + t, plan.decode_layers)[0].float())
+    return torch.stack(rows)
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) per row, in nats."""
+    log_p = torch.log_softmax(p_logits.float(), -1)
+    log_q = torch.log_softmax(q_logits.float(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def fidelity(pipe, variants: Sequence[Variant], *, n_prompts: int = 8, prompt_tokens: int = 256,
+             continuation: int = 32, seed: int = 0, progress: bool = False) -> dict:
+    """Teacher-forced next-token agreement and KL against the full model's greedy continuation."""
+    from tqdm.auto import tqdm
+
+    adapter = pipe.adapter
+    prompts = []
+    for passage in text_passages(n_prompts, prompt_tokens * 8, seed=seed + 1):
+        ids = pipe.tokenizer(passage, return_tensors="pt").input_ids[:, :prompt_tokens]
+        prompts.append({"input_ids": ids.to(pipe.device)})
+    stats = {v.label: {"agree": [], "agree_first": [], "kl_first": [], "kl": []} for v in variants if v.name != "full"}
+    bar = tqdm(total=len(prompts) * len(variants), desc="fidelity", disable=not progress)
+    for inputs in prompts:
+        result_tokens = list(generate_tokens(adapter, inputs, mode="full", max_new_tokens=continuation, output_scores=False))
+        reference = forced_logits(adapter, inputs, make_plan(adapter, "full"), result_tokens)
+        target = torch.tensor(result_tokens)
+        bar.update()
+        for variant in variants:
+            if variant.name == "full":
+                continue
+            logits = forced_logits(adapter, inputs, variant_plan(adapter, variant), result_tokens)
+            kl = kl_divergence(reference, logits).clamp_min(0.0)
+            hit = (logits.argmax(-1).cpu() == target).float()
+            s = stats[variant.label]
+            s["agree"].append(float(hit.mean()))
+            s["agree_first"].append(float(hit[0]))
+            s["kl_first"].append(float(kl[0]))
+            s["kl"].append(float(kl.mean()))
+            bar.update()
+    bar.close()
+    out = {"full": {"agreement": 1.0, "first_token_agreement": 1.0, "kl_first": 0.0, "kl_mean": 0.0}}
+    for label, s in stats.items():
+        out[label] = {"agreement": _mean(s["agree"]), "first_token_agreement": _mean(s["agree_first"]),
+                      "kl_first": _mean(s["kl_first"]), "kl_mean": _mean(s["kl"])}
+    return out
+
+
+# ---- passkey retrieval -------------------------------------------------------------------------------------------
+PASSKEY_INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
+PASSKEY_NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer, n_tokens: int, rng: random.Random, corpus: str | None = None) -> tuple[str, str, float]:
+    """A prompt of about `n_tokens` tokens with a 5-digit key at a random depth; (text, key, depth)."""
+    corpus = corpus or pydoc_corpus()
+    key = f"{rng.randrange(10000, 100000)}"
+    overhead = len(tokenizer(PASSKEY_INTRO + PASSKEY_NEEDLE.format(key=key) + PASSKEY_QUESTION).input_ids)
+    budget = max(16, n_tokens - overhead)
+    start = rng.randrange(0, len(corpus) - budget * 8)
+    filler_ids = tokenizer(corpus[start:start + budget * 8], add_special_tokens=False).input_ids[:budget]
+    depth = rng.random()
+    cut = int(depth * len(filler_ids))
+    before = tokenizer.decode(filler_ids[:cut])
+    after = tokenizer.decode(filler_ids[cut:])
+    return PASSKEY_INTRO + before + PASSKEY_NEEDLE.format(key=key) + after + PASSKEY_QUESTION, key, depth
+
+
+def passkey(pipe, variants: Sequence[Variant], *, lengths: Sequence[int] = (256, 1024, 4096), trials: int = 4,
+            seed: int = 0, max_new_tokens: int = 8, progress: bool = False) -> dict:
+    """Passkey accuracy per variant and context length (the same prompts for every variant)."""
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    corpus = pydoc_corpus()
+    cases = [(n, *passkey_prompt(pipe.tokenizer, n, rng, corpus)) for n in lengths for _ in range(trials)]
+    hits = {v.label: {n: [] for n in lengths} for v in variants}
+    actual = {n: [] for n in lengths}
+    bar = tqdm(total=len(cases) * len(variants), desc="passkey", disable=not progress)
+    for n, text, key, _depth in cases:
+        inputs = pipe.build_inputs(None, text)
+        actual[n].append(int(inputs["input_ids"].shape[1]))
+        for variant in variants:
+            mode = "full" if variant.name == "full" else ("static" if variant.name == "static" else "pop")
+            pop = None if variant.name == "full" else PopConfig(
+                prune_layers=variant.k, kv_projection=variant.name != "pop-no-kv", boundary=variant.name != "pop-no-boundary")
+            answer = pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens)
+            hits[variant.label][n].append(key in answer.text)
+            bar.update()
+    bar.close()
+    return {"lengths": list(lengths), "trials": trials, "mean_prompt_tokens": {str(n): _mean(actual[n]) for n in lengths},
+            "accuracy": {label: {str(n): _mean(v) for n, v in per.items()} for label, per in hits.items()}}
+
+
+# ---- image QA ------------------------------------------------------------------------------------------------------
+def _triple(sample) -> tuple:
+    if isinstance(sample, dict):
+        return sample["image"], sample["question"], sample["answer"]
+    image, question, answer = sample
+    return image, question, answer
+
+
+def normalise(text: str) -> str:
+    return " ".join("".join(c.lower() if c.isalnum() else " " for c in str(text)).split())
+
+
+def image_qa_accuracy(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_tokens: int = 16,
+                      progress: bool = False) -> dict:
+    """Accuracy per variant over (image, question, answer) triples (or dicts with those keys): an answer counts
+    when the normalised expected answer occurs in the normalised generated text."""
+    from tqdm.auto import tqdm
+
+    if not pipe.is_multimodal:
+        raise ValueError(f"{pipe.name} is not a vision-language model")
+    samples = [_triple(s) for s in samples]
+    hits = {v.label: [] for v in variants}
+    bar = tqdm(total=len(samples) * len(variants), desc="image QA", disable=not progress)
+    for image, question, expected in samples:
+        inputs = pipe.build_inputs(image, question)
+        for variant in variants:
+            mode = "full" if variant.name == "full" else ("static" if variant.name == "static" else "pop")
+            pop = None if variant.name == "full" else PopConfig(
+                prune_layers=variant.k, kv_projection=variant.name != "pop-no-kv", boundary=variant.name != "pop-no-boundary")
+            text = pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens).text
+            hits[variant.label].append(normalise(expected) in normalise(text))
+            bar.update()
+    bar.close()
+    return {label: _mean(v) for label, v in hits.items()}
+
+
+# ---- a whole evaluation --------------------------------------------------------------------------------------------
+def default_ks(num_layers: int) -> list[int]:
+    """k from L/6 to L/2 in steps of L/6."""
+    step = max(1, round(num_layers / 6))
+    return sorted({k for k in range(step, num_layers // 2 + 1, step)})
+
+
+def run_eval(pipe, *, ks: Sequence[int] | None = None, names: Sequence[str] = VARIANTS, n_prompts: int = 8,
+             prompt_tokens: int = 256, continuation: int = 32, passkey_lengths: Sequence[int] = (256, 1024, 4096),
+             passkey_trials: int = 4, passkey_names: Sequence[str] = ("full", "pop", "static"),
+             passkey_ks: Sequence[int] | None = None,
+             qa_samples: Iterable | None = None, seed: int = 0, progress: bool = False) -> dict:
+    """Fidelity, passkey and (for VLMs with samples) image QA; a JSON-ready dict."""
+    ks = list(ks) if ks else default_ks(pipe.num_layers)
+    names = list(names)
+    if "pop-auto" in names and pipe.auto_k is None:
+        names.remove("pop-auto")
+    variants = variants_for(ks, names, pipe.auto_k)
+    out = {"model": str(pipe.name), "num_layers": pipe.num_layers, "ks": ks, "auto_k": pipe.auto_k, "seed": seed,
+           "settings": {"n_prompts": n_prompts, "prompt_tokens": prompt_tokens, "continuation": continuation,
+                        "passkey_lengths": list(passkey_lengths), "passkey_trials": passkey_trials,
+                        "passkey_ks": list(ks if passkey_ks is None else passkey_ks)}}
+    out["fidelity"] = fidelity(pipe, variants, n_prompts=n_prompts, prompt_tokens=prompt_tokens,
+                               continuation=continuation, seed=seed, progress=progress)
+    if passkey_lengths and passkey_trials:
+        pk_ks = set(ks if passkey_ks is None else passkey_ks)
+        pk_variants = [v for v in variants if v.name in passkey_names and (v.name == "full" or v.k in pk_ks)]
+        out["passkey"] = passkey(pipe, pk_variants, lengths=passkey_lengths, trials=passkey_trials, seed=seed,
+                                 progress=progress)
+    if qa_samples is not None and pipe.is_multimodal:
+        out["image_qa"] = image_qa_accuracy(pipe, qa_samples, variants, progress=progress)
+    return out
+
+
+def markdown_table(results: dict) -> str:
+    """One row per variant: agreement, KL, passkey accuracy per length, image QA."""
+    fid = results["fidelity"]
+    pk = results.get("passkey", {})
+    lengths = [str(n) for n in pk.get("lengths", [])]
+    qa = results.get("image_qa", {})
+    head = ["variant", "agreement", "1st-token agr.", "KL 1st", "KL mean"] + [f"passkey@{n}" for n in lengths]
+    head += ["image QA"] if qa else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, f in fid.items():
+        row = [label, f"{f['agreement']:.3f}", f"{f['first_token_agreement']:.3f}", f"{f['kl_first']:.3f}", f"{f['kl_mean']:.3f}"]
+        acc = pk.get("accuracy", {}).get(label)
+        row += [f"{acc[n]:.2f}" if acc else "–" for n in lengths]
+        if qa:
+            row += [f"{qa[label]:.2f}" if label in qa else "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot_quality(results: dict, path) -> None:
+    """Agreement and mean KL against k for pop, static and the ablations (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fid = results["fidelity"]
+    ks = results["ks"]
+    fig, axes = plt.subplots(1, 3 if "passkey" in results else 2, figsize=(13 if "passkey" in results else 9, 3.8))
+    styles = {"pop": ("#4C72B0", "o-"), "static": ("#C44E52", "s-"), "pop-no-kv": ("#8172B2", "^--"),
+              "pop-no-boundary": ("#937860", "v--")}
+    for name, (color, style) in styles.items():
+        labels = [f"{name}@{k}" for k in ks]
+        if not all(label in fid for label in labels):
+            continue
+        axes[0].plot(ks, [fid[label]["agreement"] for label in labels], style, color=color, label=name)
+        axes[1].plot(ks, [fid[label]["kl_mean"] for label in labels], style, color=color, label=name)
+    auto = [label for label in fid if label.startswith("pop-auto@")]
+    for label in auto:
+        k = int(label.split("@")[1])
+        axes[0].plot([k], [fid[label]["agreement"]], "*", color="k", ms=12, label="pop auto")
+        axes[1].plot([k], [fid[label]["kl_mean"]], "*", color="k", ms=12, label="pop auto")
+    axes[0].set_ylabel("next-token agreement with full")
+    axes[1].set_ylabel("KL(full ‖ variant), nats")
+    axes[1].set_yscale("symlog", linthresh=1e-3)
+    for ax in axes[:2]:
+        ax.set_xlabel("k (layers skipped)")
+        ax.set_xticks(ks)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if "passkey" in results:
+        pk = results["passkey"]
+        lengths = pk["lengths"]
+        for label, acc in pk["accuracy"].items():
+            style = "-" if label == "full" else ("o-" if label.startswith("pop") else "s--")
+            axes[2].plot(lengths, [acc[str(n)] for n in lengths], style, label=label)
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xlabel("context length (tokens)")
+        axes[2].set_ylabel(f"passkey accuracy ({pk['trials']} trials per length)")
+        axes[2].set_ylim(-0.05, 1.05)
+        axes[2].legend(fontsize=7)
+        axes[2].grid(alpha=0.3)
+    fig.suptitle(f"{results['model']} ({results['num_layers']} layers): POP vs static removal")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else math.nan
+
+
+def save(results: dict, out_dir) -> dict:
+    """Write eval.json, eval.md and eval.png into `out_dir`; returns their paths."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "eval.json", "markdown": out / "eval.md", "png": out / "eval.png"}
+    paths["json"].write_text(json.dumps(results, indent=2) + "\n")
+    paths["markdown"].write_text(markdown_table(results) + "\n")
+    plot_quality(results, paths["png"])
+    return paths
