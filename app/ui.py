@@ -5,9 +5,6 @@ import os
 from pathlib import Path
 
 import gradio as gr
-from PIL import Image, UnidentifiedImageError
-
-import pop_vlm.images
 from pop_vlm import PopConfig, zoo
 
 from .charts import importance_chart, ttft_chart
@@ -16,24 +13,14 @@ from .models import Busy, ModelError, ModelManager
 STAGES = (("preprocess", "preprocess_s"), ("vision", "vision_s"), ("prefill", "prefill_s"), ("first token", "first_token_s"))
 
 
-class SafeImage(gr.Image):
-    """gr.Image that turns an unreadable upload into a clear message instead of a server error."""
-
-    @classmethod
-    def get_block_name(cls) -> str:
-        return "image"
-
-    def preprocess(self, payload):
-        path = getattr(payload, "path", None)
-        if path and os.path.isfile(path) and os.path.getsize(path) == 0:
-            raise gr.Error("The uploaded file is empty (0 bytes).")
-        try:
-            return super().preprocess(payload)
-        except Image.DecompressionBombError:
-            raise gr.Error(f"The image is too large: the limit is {pop_vlm.images.MAX_IMAGE_PIXELS / 1e6:.0f} "
-                           "megapixels.") from None
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
-            raise gr.Error("The uploaded file is not a readable image (PNG, JPEG, GIF, WebP, BMP, TIFF).") from None
+def uploaded_path(payload) -> str | None:
+    """The file behind a raw image payload (handlers take payloads unprocessed, so that the library reads the
+    file and an unreadable upload gets the library's clear message rather than a server error)."""
+    if payload is None or isinstance(payload, str):
+        return payload
+    if isinstance(payload, dict):
+        return payload.get("path")
+    return getattr(payload, "path", None)
 
 
 def parse_prune_layers(value):
@@ -74,6 +61,9 @@ def comparison(manager: ModelManager, image, question, model, prune_layers, max_
                kv_projection=True, boundary=True, with_static=False, pop_first=False):
     """Run full and POP (and static) one after the other; yield (mode, text so far, Answer or None)."""
     limits = manager.limits
+    image = uploaded_path(image)
+    if isinstance(image, str) and os.path.isfile(image) and os.path.getsize(image) == 0:
+        raise ValueError("The uploaded image file is empty (0 bytes).")
     if question is None or (isinstance(question, str) and not question.strip()):
         raise ValueError("The question is empty: please type a question.")
     question = limits.clean_question(question)
@@ -132,7 +122,7 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
         turn = gr.State(0)
         with gr.Row():
             with gr.Column(scale=1):
-                image = SafeImage(type="filepath", label="Image", elem_id="image", height=280)
+                image = gr.Image(type="filepath", label="Image", elem_id="image", height=280)
                 question = gr.Textbox(label="Question", placeholder="What is in the picture?", elem_id="question")
                 model = gr.Dropdown(manager.choices(), value=manager.default, label="Model", allow_custom_value=True,
                                     info="bundled demo VLMs, gemma-3-270m (text only), a hub id or a local folder",
@@ -210,8 +200,10 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
         outputs = [full_text, pop_text, static_text, full_timing, pop_timing, static_timing, speedup, chart, history,
                    turn, static_column]
         run_inputs = [image, question, model, depth, auto, max_new, no_kv, no_boundary, with_static, history, turn]
-        run.click(on_run, run_inputs, outputs, api_name="ask", concurrency_id="model", concurrency_limit=1)
-        question.submit(on_run, run_inputs, outputs, api_visibility="private", concurrency_id="model", concurrency_limit=1)
+        run.click(on_run, run_inputs, outputs, api_name="ask", concurrency_id="model", concurrency_limit=1,
+                  preprocess=False)
+        question.submit(on_run, run_inputs, outputs, api_visibility="private", concurrency_id="model",
+                        concurrency_limit=1, preprocess=False)
 
         def show_importance(model, k, use_auto):
             try:
@@ -257,7 +249,7 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
                 raise gr.Error(str(err)) from None
 
         api_button.click(on_compare, [image, question, model, api_prune, max_new], api_result, api_name="compare",
-                         concurrency_id="model", concurrency_limit=1)
+                         concurrency_id="model", concurrency_limit=1, preprocess=False)
     return demo
 
 

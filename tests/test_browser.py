@@ -70,7 +70,7 @@ def test_bad_upload_shows_error_and_app_keeps_serving(page, tmp_path):
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"this is not a picture")
     ask(page, broken, "What is this?")
-    page.wait_for_selector("text=not a readable image", timeout=30_000)
+    page.wait_for_selector("text=as an image", timeout=30_000)
     page.reload()
     page.wait_for_selector("#question textarea", timeout=60_000)
     ask(page, assets_dir() / "images" / "coffee.jpg", "What is on the table?")
