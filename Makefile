@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	@# the CPU wheel of torch where there is no NVIDIA GPU; the default (CUDA) build where there is one
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
 	else $(PY) -m pip install --quiet torch==2.13.0; fi
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,ray]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 
 import gradio as gr
@@ -15,9 +17,12 @@ from .ui import asset_paths, build_demo
 
 
 def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None, queue_size: int = 16,
-               load_in_background: bool = True) -> FastAPI:
+               load_in_background: bool = True, replica: str | None = None) -> FastAPI:
+    """`replica` names this server in the `x-pop-vlm-replica` response header (default: host:pid); under Ray
+    Serve each replica passes its own id, so clients see how requests spread."""
     policy = policy or ImageFetchPolicy()
     api = FastAPI(title="pop-vlm", description="Vision-language models with Prefill-Only Pruning")
+    api.add_middleware(ReplicaHeader, name=replica or process_name())
 
     @api.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -55,7 +60,7 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
         model_name = chat.model or manager.default
         try:
             pieces = await run_in_threadpool(
-                lambda: pipe.stream_chat(chat.messages, mode=chat.mode, pop=chat.pop_config,
+                lambda: pipe.stream_chat(chat.messages, mode=chat.mode, pop=chat.pop_config, reuse_prefix=True,
                                          time_limit_s=manager.limits.request_timeout_s, **chat.sampling))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
@@ -102,6 +107,31 @@ def _sse(manager: ModelManager, pieces, request_id: str, model: str):
         # the stream has started (headers are out): report the refusal as an error event, OpenAI-style
         yield f"data: {json.dumps(APIError(429, str(err), kind='rate_limit_error', code='busy').body())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+REPLICA_HEADER = "x-pop-vlm-replica"
+
+
+def process_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class ReplicaHeader:
+    """Pure ASGI middleware (streams pass through untouched) adding `x-pop-vlm-replica` to every HTTP response."""
+
+    def __init__(self, app, name: str):
+        self.app, self.header = app, (REPLICA_HEADER.encode(), name.encode("latin-1", "replace"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_header)
 
 
 def resident_memory_bytes() -> int:

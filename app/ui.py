@@ -90,6 +90,29 @@ def comparison(manager: ModelManager, image, question, model, prune_layers, max_
                     yield mode, piece.text, piece
 
 
+def chat_turn(manager: ModelManager, image, question, model, mode, prune_layers, max_new_tokens, messages):
+    """Validate one chat turn and return (the conversation with it, the answer's stream)."""
+    limits = manager.limits
+    question = limits.clean_question(question or "")
+    max_new_tokens = limits.check_new_tokens(max_new_tokens)
+    pipe = manager.get(model)
+    content = [{"type": "text", "text": question}]
+    if not messages and image is not None:
+        content.insert(0, {"type": "image", "image": image})
+    turn = list(messages) + [{"role": "user", "content": content}]
+    pop = PopConfig(prune_layers=parse_prune_layers(prune_layers))
+    pieces = pipe.stream_chat(turn, mode=mode, pop=pop, max_new_tokens=max_new_tokens, reuse_prefix=True,
+                              time_limit_s=limits.request_timeout_s)
+    return turn, pieces
+
+
+def chat_timing_markdown(answer) -> str:
+    t = answer.timings
+    return (f"**TTFT {t.ttft_s * 1e3:.1f} ms** — {t.n_cached_tokens} of {answer.n_prompt_tokens} prompt tokens "
+            f"reused from the conversation's cache; vision {t.vision_s * 1e3:.1f} ms, prefill {t.prefill_s * 1e3:.1f} ms, "
+            f"first token {t.first_token_s * 1e3:.1f} ms; decode {t.decode_tokens_per_s:.1f} tok/s")
+
+
 def compare_json(manager: ModelManager, image, question, model, prune_layers, max_new_tokens) -> dict:
     """Both answers and both timing sets, as the `/compare` API returns them."""
     results = {}
@@ -120,7 +143,7 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
                     "L−k layers only; the answer is decoded with the full model. Same question, both ways:")
         history = gr.State([])
         turn = gr.State(0)
-        with gr.Row():
+        with gr.Tab("Full vs POP"), gr.Row():
             with gr.Column(scale=1):
                 image = gr.Image(type="filepath", label="Image", elem_id="image", height=280)
                 question = gr.Textbox(label="Question", placeholder="What is in the picture?", elem_id="question")
@@ -158,6 +181,43 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
                     importance_plot = gr.Plot(label="prefill vs decode importance", elem_id="importance")
                     importance_note = gr.Markdown()
                     compute = gr.Button("Compute importance for this model")
+
+        with gr.Tab("Chat about an image"):
+            gr.Markdown("Follow-up questions reuse the conversation's cache (the image's vision features and the KV "
+                        "of everything said before): only the new question is prefilled.")
+            with gr.Row():
+                with gr.Column(scale=1):
+                    chat_image = gr.Image(type="filepath", label="Image", elem_id="chat-image", height=240)
+                    chat_mode = gr.Radio(["pop", "full"], value="pop", label="mode")
+                    new_chat = gr.Button("New conversation")
+                with gr.Column(scale=2):
+                    chatbot = gr.Chatbot(label="conversation", elem_id="chatbot", height=320)
+                    chat_input = gr.Textbox(label="Question", elem_id="chat-question", placeholder="Ask about the image")
+                    chat_timing = gr.Markdown(elem_id="chat-timing")
+            conversation = gr.State([])
+
+        def on_chat(image, question, model, mode, k, use_auto, max_new, messages, shown):
+            try:
+                turn_messages, pieces = chat_turn(manager, uploaded_path(image), question, model, mode,
+                                                  prune_value(k, use_auto), max_new, messages)
+                shown = shown + [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
+                with manager.admitted():
+                    for piece in pieces:
+                        if isinstance(piece, str):
+                            shown[-1]["content"] += piece
+                            yield shown, "", messages, gr.skip()
+                        else:
+                            turn_messages.append({"role": "assistant", "content": [{"type": "text", "text": piece.text}]})
+                            yield shown, "", turn_messages, chat_timing_markdown(piece)
+            except (ValueError, ModelError, Busy) as err:
+                raise gr.Error(str(err)) from None
+
+        chat_inputs = [chat_image, chat_input, model, chat_mode, depth, auto, max_new, conversation, chatbot]
+        chat_outputs = [chatbot, chat_input, conversation, chat_timing]
+        chat_input.submit(on_chat, chat_inputs, chat_outputs, api_name="chat", concurrency_id="model",
+                          concurrency_limit=1, preprocess=False)
+        new_chat.click(lambda: ([], [], ""), None, [chatbot, conversation, chat_timing], api_visibility="private")
+        chat_image.change(lambda: ([], [], ""), None, [chatbot, conversation, chat_timing], api_visibility="private")
 
         def prune_value(k, use_auto):
             return "auto" if use_auto else int(k)

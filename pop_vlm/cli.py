@@ -63,7 +63,11 @@ def cmd_answer(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """The web app and the OpenAI-style API in one process."""
+    """The web app and the OpenAI-style API in one process (or, with --ray, in Ray Serve replicas)."""
+    if args.ray:
+        from app.ray_serve import serve_from_cli
+
+        return serve_from_cli(args)
     import uvicorn
 
     from app.models import ModelManager
@@ -170,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-remote-images", action="store_true", help="let the API fetch http(s) image URLs")
     serve.add_argument("--allowed-model-root", help="local model folders must lie under this folder")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--ray", action="store_true",
+                       help="serve from Ray Serve replicas (one model each) behind the same API (needs the ray extra)")
+    serve.add_argument("--replicas", default="1", help="with --ray: replica count, or 'auto' to autoscale 1..--max-replicas")
+    serve.add_argument("--max-replicas", type=int, default=4, help="with --ray --replicas auto: the most replicas")
+    serve.add_argument("--num-gpus", type=float, default=0, help="with --ray: GPUs per replica (e.g. 1, or 0.5 to pack two)")
+    serve.add_argument("--num-cpus", type=float, default=1, help="with --ray: CPUs per replica")
+    serve.add_argument("--ray-address", help="with --ray: join this Ray cluster (e.g. auto) instead of starting one")
     serve.set_defaults(func=cmd_serve)
 
     from .bench import add_parser as add_bench_parser

@@ -23,12 +23,21 @@ class PopConfig:
         generated token comes from the full model. ``False`` takes it from the pruned stack (ablation).
     fused: compute the KV projections of all skipped layers as one GEMM (``False``: one layer at a time,
         the reference path).
+    full_tail: how much of the prompt's end runs through the full model: an int M (the last M tokens; 1 is the
+        paper's boundary token), or ``"text"`` — every token after the last image token (for a prompt without
+        an image, the last token). The rest of the prompt runs pruned.
     """
 
     prune_layers: PruneSpec = 1 / 3
     kv_projection: bool = True
     boundary: bool = True
     fused: bool = True
+    full_tail: Union[int, str] = 1
+
+    def __post_init__(self):
+        tail = self.full_tail
+        if tail != "text" and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 1):
+            raise ValueError(f"full_tail must be a positive int or 'text', got {tail!r}")
 
     def num_pruned(self, num_layers: int, auto_k: int | None = None) -> int:
         """Resolve `prune_layers` to a layer count k for a model of `num_layers` layers."""

@@ -64,13 +64,14 @@ def variants_for(ks: Sequence[int], names: Sequence[str] = VARIANTS, auto_k: int
 
 # ---- teacher forcing ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def forced_logits(adapter: FamilyAdapter, inputs: dict, plan: PrefillPlan, tokens: Sequence[int]) -> torch.Tensor:
+def forced_logits(adapter: FamilyAdapter, inputs: dict, plan: PrefillPlan, tokens: Sequence[int],
+                  full_tail=1) -> torch.Tensor:
     """Logits (T, vocab) of a plan's generation path when it is fed `tokens` instead of its own choices:
-    row t predicts tokens[t]. The prefill is `pop.prefill` and each step `generate.decode_one_token`, exactly
-    as in `generate_tokens`."""
+    row t predicts tokens[t]. The prefill is `pop.prefill` (with `full_tail`, `PopConfig.full_tail`) and each step
+    `generate.decode_one_token`, exactly as in `generate_tokens`."""
     prompt = adapter.encode(inputs)
     cache = adapter.new_cache()
-    rows = [prefill(adapter, prompt, cache, plan)[0].float()]
+    rows = [prefill(adapter, prompt, cache, plan, full_tail=full_tail)[0].float()]
     for t, token in enumerate(tokens[:-1]):
         rows.append(decode_one_token(adapter, prompt, cache, int(token), prompt.length + t, plan.decode_layers)[0].float())
     return torch.stack(rows)
@@ -84,8 +85,9 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tenso
 
 
 def fidelity(pipe, variants: Sequence[Variant], *, n_prompts: int = 8, prompt_tokens: int = 256,
-             continuation: int = 32, seed: int = 0, progress: bool = False) -> dict:
-    """Teacher-forced next-token agreement and KL against the full model's greedy continuation."""
+             continuation: int = 32, seed: int = 0, progress: bool = False, full_tail=1) -> dict:
+    """Teacher-forced next-token agreement and KL against the full model's greedy continuation. `full_tail`
+    (`PopConfig.full_tail`) applies to every pruned variant."""
     from tqdm.auto import tqdm
 
     adapter = pipe.adapter
@@ -103,7 +105,7 @@ def fidelity(pipe, variants: Sequence[Variant], *, n_prompts: int = 8, prompt_to
         for variant in variants:
             if variant.name == "full":
                 continue
-            logits = forced_logits(adapter, inputs, variant_plan(adapter, variant), result_tokens)
+            logits = forced_logits(adapter, inputs, variant_plan(adapter, variant), result_tokens, full_tail=full_tail)
             kl = kl_divergence(reference, logits).clamp_min(0.0)
             hit = (logits.argmax(-1).cpu() == target).float()
             s = stats[variant.label]
@@ -321,3 +323,38 @@ def save(results: dict, out_dir) -> dict:
     paths["markdown"].write_text(markdown_table(results) + "\n")
     plot_quality(results, paths["png"])
     return paths
+
+
+# ---- the synthetic shapes task ------------------------------------------------------------------------------------
+def shapes_qa_report(pipe, records: Sequence[dict], modes: Sequence[str] = ("full", "pop", "static"),
+                     prune_layers=None, max_new_tokens: int = 4, progress: bool = False) -> dict:
+    """Exact-match accuracy of each mode on shapes-task records (`pop_vlm.shapes`), overall, by question type and
+    by canvas size, with the vision-token counts. `prune_layers` defaults to L/3."""
+    from collections import defaultdict
+
+    from tqdm.auto import tqdm
+
+    from . import shapes
+
+    pop = PopConfig() if prune_layers is None else PopConfig(prune_layers=prune_layers)
+    k = pop.num_pruned(pipe.num_layers)
+    hits = {mode: defaultdict(list) for mode in modes}
+    vision_tokens = []
+    bar = tqdm(total=len(records) * len(modes), desc="shapes QA", disable=not progress)
+    for record in records:
+        image, question, answer = shapes.sample_from_record(record)
+        inputs = pipe.build_inputs(image, question)
+        for mode in modes:
+            result = pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens)
+            ok = shapes.score(result.text, answer)
+            for group in ("all", f"type:{record['qtype']}", f"size:{record['width']}x{record['height']}"):
+                hits[mode][group].append(ok)
+            bar.update()
+        vision_tokens.append(result.n_image_tokens)
+    bar.close()
+    return {
+        "model": str(pipe.name), "n": len(records), "k": k, "num_layers": pipe.num_layers,
+        "vision_tokens": {"mean": sum(vision_tokens) / len(vision_tokens), "min": min(vision_tokens),
+                          "max": max(vision_tokens)},
+        "accuracy": {mode: {group: sum(v) / len(v) for group, v in sorted(groups.items())} for mode, groups in hits.items()},
+    }

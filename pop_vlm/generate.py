@@ -31,6 +31,7 @@ class Timings:
     peak_memory_bytes: int = 0  # CUDA: peak allocated during the request; CPU: the process's peak RSS
     n_prompt_tokens: int = 0
     n_generated_tokens: int = 0
+    n_cached_tokens: int = 0  # prompt tokens whose K/V came from a cached conversation (not prefilled again)
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -142,6 +143,7 @@ class GenerationResult:
 
     plan: PrefillPlan | None = None
     prompt: Prompt | None = None
+    cache: object = None  # after the run: K/V of the prompt and of every generated token but the last
     token_ids: list[int] = field(default_factory=list)
     scores: list[torch.Tensor] | None = None
     finish_reason: str = "length"
@@ -161,10 +163,13 @@ def generate_tokens(
     result: GenerationResult | None = None,
     auto_k: int | None = None,
     time_limit_s: float | None = None,
+    cache=None,
+    start: int = 0,
 ) -> Iterator[int]:
-    """Yield generated token ids one by one; `result` collects tokens, scores and timings.
+    """Yield generated token ids one by one; `result` collects tokens, scores, timings and the cache.
 
-    With `time_limit_s`, decoding stops once that many seconds have passed (finish_reason "timeout").
+    With `time_limit_s`, decoding stops once that many seconds have passed (finish_reason "timeout"). With
+    `cache` holding the K/V of the prompt's first `start` tokens, only tokens [start, N) are prefilled.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -184,10 +189,10 @@ def generate_tokens(
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
 
     with torch.inference_mode():
-        prompt = result.prompt = adapter.encode(inputs)
+        prompt = result.prompt = adapter.encode(inputs, start=start)
         clock("vision")
-        cache = adapter.new_cache()
-        logits = prefill(adapter, prompt, cache, plan, clock)
+        cache = result.cache = cache if cache is not None else adapter.new_cache()
+        logits = prefill(adapter, prompt, cache, plan, clock, full_tail=(pop or PopConfig()).full_tail, start=start)
         token = sample_token(logits[0], sampling, generator)
     clock("first_token")
     timings.n_prompt_tokens = prompt.length

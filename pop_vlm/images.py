@@ -115,9 +115,15 @@ def _array_to_uint8(array: np.ndarray) -> np.ndarray:
     raise ImageError(f"unsupported image array dtype {array.dtype}")
 
 
+#: images with more than this many times the processor's pixel budget are downscaled before the processor (to
+#: that size): preprocessing a huge image costs more than the model's work; below it the processor's own resize
+#: sees the original pixels, as in training
+PRESCALE_FACTOR = 16
+
+
 def fit_image(image: Image.Image, max_pixels: int | None) -> Image.Image:
-    """Downscale to at most `max_pixels` (the processor's budget: no point preprocessing more) and pad extreme
-    aspect ratios with white, so that every readable image reaches the model."""
+    """Pad extreme aspect ratios with white, and downscale images far beyond the processor's pixel budget, so
+    that every readable image reaches the model at a reasonable preprocessing cost."""
     width, height = image.size
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
         side = max(width, height)
@@ -125,7 +131,7 @@ def fit_image(image: Image.Image, max_pixels: int | None) -> Image.Image:
         canvas = Image.new("RGB", new_size, (255, 255, 255))
         canvas.paste(image, ((new_size[0] - width) // 2, (new_size[1] - height) // 2))
         image, (width, height) = canvas, new_size
-    if max_pixels and width * height > max_pixels:
-        scale = (max_pixels / (width * height)) ** 0.5
+    if max_pixels and width * height > PRESCALE_FACTOR * max_pixels:
+        scale = (PRESCALE_FACTOR * max_pixels / (width * height)) ** 0.5
         image = image.resize((max(1, int(width * scale)), max(1, int(height * scale))), Image.Resampling.BICUBIC)
     return image

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 
+from .chat import Conversation, PrefixCache, image_fingerprint
 from .config import PopConfig, check_mode
 from .families import adapter_class_for, detect_family
 from .generate import Answer, GenerationResult, SamplingParams, Timings, generate_tokens
@@ -93,6 +94,7 @@ class Pipeline:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.eos_token_ids = self._eos_token_ids()
         self.auto_k: int | None = None  # set from an importance profile, for prune_layers="auto"
+        self.prefix_cache = PrefixCache()  # conversations' caches, for follow-up questions
 
     @property
     def device(self) -> torch.device:
@@ -204,30 +206,49 @@ class Pipeline:
     def context_length(self) -> int | None:
         return getattr(self.adapter.config, "max_position_embeddings", None)
 
+    def chat(self, image=None, mode: str = "pop", pop: PopConfig | None = None, **generation) -> Conversation:
+        """A conversation (about `image`, if given): each `ask` reuses the cache of the turns before it."""
+        check_mode(mode)
+        return Conversation(self, image=image, mode=mode, pop=pop, **generation)
+
     def _stream(self, inputs, mode, pop, *, preprocess_s: float = 0.0, max_new_tokens: int = 128,
                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None, output_scores: bool = False, time_limit_s: float | None = None):
-        """Check everything that can be checked before any model work, then return the generator."""
+                seed: int | None = None, output_scores: bool = False, time_limit_s: float | None = None,
+                reuse_prefix: bool = False):
+        """Check everything that can be checked before any model work, then return the generator.
+
+        With `reuse_prefix`, a cached conversation whose tokens begin this prompt (same images, mode and POP
+        settings) is continued: only the new tokens are prefilled, and this turn is cached in turn."""
         check_mode(mode)
         pop = pop if pop is not None else PopConfig()
         sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        make_plan(self.adapter, mode, pop, self.auto_k)  # a bad k or a protected layer fails here, before any work
+        plan = make_plan(self.adapter, mode, pop, self.auto_k)  # a bad k or a protected layer fails here
         n_prompt = int(inputs["input_ids"].shape[-1])
         if self.context_length and n_prompt + max_new_tokens > self.context_length:
             raise ValueError(
                 f"the prompt has {n_prompt} tokens; with max_new_tokens={max_new_tokens} it exceeds the model's "
                 f"context of {self.context_length} tokens"
             )
-        return self._generate_text(inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores, time_limit_s)
+        key = None
+        if reuse_prefix:
+            key = (mode, plan.pruned, plan.kv_projection, plan.boundary, pop.full_tail, image_fingerprint(inputs))
+        return self._generate_text(inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores,
+                                   time_limit_s, key)
 
-    def _generate_text(self, inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores, time_limit_s):
+    def _generate_text(self, inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores, time_limit_s,
+                       prefix_key):
         result = GenerationResult(timings=Timings(preprocess_s=preprocess_s))
+        prompt_ids = inputs["input_ids"][0].tolist()
+        cache, start = None, 0
+        if prefix_key is not None:
+            cache, start = self.prefix_cache.take(prefix_key, prompt_ids) or (None, 0)
+        result.timings.n_cached_tokens = start
         tokens = generate_tokens(
             self.adapter, inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=self.eos_token_ids, output_scores=output_scores, result=result, auto_k=self.auto_k,
-            time_limit_s=time_limit_s,
+            time_limit_s=time_limit_s, cache=cache, start=start,
         )
         shown = ""
         for _ in tokens:
@@ -239,6 +260,8 @@ class Pipeline:
         text = self.decode(result.token_ids)
         if len(text) > len(shown):
             yield text[len(shown):]
+        if prefix_key is not None:
+            self.prefix_cache.put(prefix_key, prompt_ids + result.token_ids[:-1], result.cache)
         yield Answer(
             text=text,
             token_ids=list(result.token_ids),

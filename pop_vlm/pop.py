@@ -51,18 +51,20 @@ def make_plan(adapter: FamilyAdapter, mode: str = "pop", pop: PopConfig | None =
 
 
 # ---- 1. pruned prefill ---------------------------------------------------------------------------------------
-def pruned_prefill(adapter: FamilyAdapter, prompt: Prompt, cache, layers, end: int) -> torch.Tensor:
-    """Run prompt tokens [0, end) through `layers`; returns the last of them's output hidden states."""
-    positions = adapter.positions_between(prompt, 0, end)
-    return adapter.run_layers(prompt.embeds[:, :end], positions, cache, layers, prompt=prompt, span=(0, end))
+def pruned_prefill(adapter: FamilyAdapter, prompt: Prompt, cache, layers, end: int, start: int = 0) -> torch.Tensor:
+    """Run prompt tokens [start, end) through `layers` (the kept ones); returns their output hidden states."""
+    positions = adapter.positions_between(prompt, start, end)
+    return adapter.run_layers(prompt.embeds[:, start:end], positions, cache, layers, prompt=prompt, span=(start, end))
 
 
 # ---- 2. independent KV projections ----------------------------------------------------------------------------
-def project_skipped_kv(adapter: FamilyAdapter, prompt: Prompt, cache, hidden, skipped, fused: bool = True) -> None:
-    """Write each skipped layer's K/V for the prompt tokens in `hidden` (the last kept layer's output)."""
+def project_skipped_kv(adapter: FamilyAdapter, prompt: Prompt, cache, hidden, skipped, fused: bool = True,
+                       start: int = 0) -> None:
+    """Write each skipped layer's K/V for prompt tokens [start, start + T) from `hidden` (the last kept layer's
+    output for them)."""
     if not skipped:
         return
-    positions = adapter.positions_between(prompt, 0, hidden.shape[1])
+    positions = adapter.positions_between(prompt, start, start + hidden.shape[1])
     rope = adapter.rotary(hidden, positions)
     if fused:
         keys, values = adapter.fused_kv(tuple(skipped))(hidden, rope)
@@ -146,35 +148,97 @@ def boundary_step(adapter: FamilyAdapter, prompt: Prompt, cache, layers) -> torc
     return adapter.logits(hidden[:, -1:])[:, -1]
 
 
-# ---- the prefill of each mode ---------------------------------------------------------------------------------
-def prefill(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, clock=None) -> torch.Tensor:
-    """Fill `cache` with the prompt and return the logits of the first generated token, shape (1, vocab).
+# ---- the prefill of each mode: segments ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    """Prompt tokens [start, end), run either through all layers (`full`) or pruned: the kept layers, plus the
+    skipped layers' KV projections in POP. Each segment attends to the cache the earlier ones filled."""
 
-    `clock`, when given, is called with a stage name ("prefill", "first_token") when that stage ends.
+    start: int
+    end: int
+    full: bool
+
+
+def tail_length(prompt: Prompt, full_tail) -> int:
+    """How many of the prompt's last tokens run through the full model (PopConfig.full_tail)."""
+    if full_tail == "text":
+        if prompt.image_mask is None or not bool(prompt.image_mask.any()):
+            return 1  # no image: the paper's boundary token
+        last_image = int(prompt.image_mask[0].nonzero().max())
+        return max(1, prompt.length - 1 - last_image)
+    if isinstance(full_tail, bool) or not isinstance(full_tail, int) or full_tail < 1:
+        raise ValueError(f"full_tail must be a positive int or 'text', got {full_tail!r}")
+    return min(full_tail, prompt.length)
+
+
+def plan_segments(plan: PrefillPlan, prompt: Prompt, full_tail=1, start: int = 0) -> list[Segment]:
+    """The segments of a prefill of prompt tokens [start, N) under `plan`.
+
+    full: one full segment. static, and POP without its boundary: one pruned segment. POP: pruned, then the last
+    `full_tail` tokens full (1 is the paper's boundary step).
     """
-    clock = clock or (lambda stage: None)
     n = prompt.length
-    if plan.mode != "pop" or not plan.boundary:
-        # One pass over the whole prompt: the plain model (full), the shortened model (static), or POP
-        # without its boundary step, whose first token then comes from the pruned stack.
-        hidden = pruned_prefill(adapter, prompt, cache, plan.kept, n)
-        if plan.mode == "pop" and plan.kv_projection:
-            project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned, plan.fused)
-        clock("prefill")
-        logits = adapter.logits(hidden[:, -1:])[:, -1]
-        clock("first_token")
-        return logits
+    if not 0 <= start < n:
+        raise ValueError(f"nothing to prefill: start {start} of a {n}-token prompt")
+    if plan.mode == "full":
+        return [Segment(start, n, True)]
+    if plan.mode == "static" or not plan.boundary:
+        return [Segment(start, n, False)]
     if prompt.image_mask is not None and bool(prompt.image_mask[0, -1]):
         raise ValueError(
             "the prompt ends with an image token; POP runs the last prompt token through the full model and "
             "expects it to be text (a chat template with a generation prompt ends with text)"
         )
-    if n < 2:
-        raise ValueError("POP needs a prompt of at least two tokens (the last one runs through the full model)")
-    hidden = pruned_prefill(adapter, prompt, cache, plan.kept, n - 1)
-    if plan.kv_projection:
-        project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned, plan.fused)
-    clock("prefill")
-    logits = boundary_step(adapter, prompt, cache, plan.decode_layers)
+    boundary = max(start, n - tail_length(prompt, full_tail))
+    segments = [Segment(start, boundary, False)] if boundary > start else []
+    return segments + [Segment(boundary, n, True)]
+
+
+def run_segment(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, segment: Segment) -> torch.Tensor:
+    """Run one segment against the cache; returns the output hidden states of the stack that ran."""
+    if segment.full:
+        span = (segment.start, segment.end)
+        positions = adapter.positions_between(prompt, *span)
+        return adapter.run_layers(prompt.embeds[:, segment.start:segment.end], positions, cache, plan.decode_layers,
+                                  prompt=prompt, span=span)
+    hidden = pruned_prefill(adapter, prompt, cache, plan.kept, segment.end, start=segment.start)
+    if plan.mode == "pop" and plan.kv_projection:
+        project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned, plan.fused, start=segment.start)
+    return hidden
+
+
+def boundary_step(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan) -> torch.Tensor:
+    """The paper's boundary: the last prompt token through all layers; returns its logits (1, vocab)."""
+    n = prompt.length
+    hidden = run_segment(adapter, prompt, cache, plan, Segment(n - 1, n, True))
+    return adapter.logits(hidden[:, -1:])[:, -1]
+
+
+def prefill(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, clock=None, *, full_tail=1,
+            start: int = 0, segments: list[Segment] | None = None) -> torch.Tensor:
+    """Fill `cache` with prompt tokens [start, N) and return the logits of the first generated token (1, vocab).
+
+    `clock`, when given, is called with "prefill" when every segment but the last has run (POP: the pruned part)
+    and with "first_token" when the last segment and the logits are done.
+    """
+    clock = clock or (lambda stage: None)
+    segments = segments if segments is not None else plan_segments(plan, prompt, full_tail, start)
+    if adapter.bidirectional_image_blocks and prompt.image_mask is not None:
+        inside = prompt.image_mask[0]
+        for segment in segments[1:]:
+            if 0 < segment.start < prompt.length and bool(inside[segment.start - 1]) and bool(inside[segment.start]):
+                raise ValueError(
+                    f"a prefill segment would start inside an image (token {segment.start}); {adapter.name} attends "
+                    "within each image in both directions, so an image must stay in one segment"
+                )
+    for segment in segments[:-1]:
+        run_segment(adapter, prompt, cache, plan, segment)
+    if len(segments) == 1:
+        hidden = run_segment(adapter, prompt, cache, plan, segments[-1])
+        clock("prefill")
+    else:
+        clock("prefill")
+        hidden = run_segment(adapter, prompt, cache, plan, segments[-1])
+    logits = adapter.logits(hidden[:, -1:])[:, -1]
     clock("first_token")
     return logits

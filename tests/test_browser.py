@@ -76,3 +76,23 @@ def test_bad_upload_shows_error_and_app_keeps_serving(page, tmp_path):
     ask(page, assets_dir() / "images" / "coffee.jpg", "What is on the table?")
     for side in ("#full-timing", "#pop-timing"):
         page.wait_for_function(text_contains(side, "TTFT"), timeout=60_000)
+
+
+def test_chat_follow_up_reuses_the_conversation_cache(page):
+    from pop_vlm.zoo import assets_dir
+
+    page.get_by_role("tab", name="Chat about an image").click()
+    page.set_input_files("#chat-image input[type=file]", str(assets_dir() / "images" / "rocket.jpg"))
+    page.fill("#chat-question textarea", "What is being launched?")
+    page.press("#chat-question textarea", "Enter")
+    page.wait_for_function(text_contains("#chat-timing", "reused"), timeout=60_000)
+    assert "0 of" in page.inner_text("#chat-timing")  # the first turn has nothing to reuse
+    page.fill("#chat-question textarea", "And where?")
+    page.press("#chat-question textarea", "Enter")
+    page.wait_for_function(
+        "() => { const e = document.querySelector('#chat-timing'); return !!e && /TTFT/.test(e.innerText) "
+        "&& !e.innerText.includes(' 0 of'); }", timeout=60_000)
+    reused = int(page.inner_text("#chat-timing").split("—")[1].split(" of ")[0])
+    assert reused > 10
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)

@@ -56,6 +56,8 @@ class FamilyAdapter:
     architectures: tuple[str, ...] = ()
     #: RMSNorm multiplies by (offset + weight): 0 for Llama/Qwen, 1 for Gemma.
     norm_weight_offset = 0.0
+    #: image tokens attend to their whole image, both ways (Gemma-3): a prefill segment must not split an image
+    bidirectional_image_blocks = False
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -90,8 +92,11 @@ class FamilyAdapter:
 
         return PreallocatedCache(config=self.config)
 
-    def encode(self, inputs: dict) -> Prompt:
-        """Embed a processor's output (running the vision tower if there is an image)."""
+    def encode(self, inputs: dict, start: int = 0) -> Prompt:
+        """Embed a processor's output (running the vision tower if there is an image).
+
+        With `start` > 0 the first `start` tokens are already in the cache: images that lie wholly before it are
+        not encoded again (their placeholder embeddings are never read)."""
         input_ids = _single_sequence(inputs)
         embeds = self.decoder.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]

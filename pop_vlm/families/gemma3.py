@@ -12,6 +12,7 @@ class Gemma3Adapter(FamilyAdapter):
     name = "gemma-3"
     architectures = ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM")
     norm_weight_offset = 1.0
+    bidirectional_image_blocks = True
 
     def _find_decoder(self, model):
         inner = model.model
@@ -21,7 +22,7 @@ class Gemma3Adapter(FamilyAdapter):
     def is_multimodal(self) -> bool:
         return hasattr(self.model.model, "vision_tower")
 
-    def encode(self, inputs: dict) -> Prompt:
+    def encode(self, inputs: dict, start: int = 0) -> Prompt:
         input_ids = _single_sequence(inputs)
         image_mask, extras = None, {}
         if self.is_multimodal:
@@ -32,7 +33,9 @@ class Gemma3Adapter(FamilyAdapter):
                 token_ids = input_ids.masked_fill(image_mask, 0)
             embeds = self.decoder.embed_tokens(token_ids)
             pixel_values = inputs.get("pixel_values")
-            if pixel_values is not None:
+            if pixel_values is not None and start > 0 and not bool(image_mask[0, start:].any()):
+                pass  # every image is already in the cache: no vision work
+            elif pixel_values is not None:
                 features = self.model.model.get_image_features(pixel_values, return_dict=True).pooler_output
                 features = features.to(embeds.dtype).reshape(-1, embeds.shape[-1])
                 if int(image_mask.sum()) != features.shape[0]:

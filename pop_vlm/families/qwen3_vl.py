@@ -26,13 +26,19 @@ class Qwen3VLAdapter(FamilyAdapter):
         # Deepstack features of the vision tower are added to the outputs of layers 0..n-1.
         return frozenset(range(len(self.model.config.vision_config.deepstack_visual_indexes)))
 
-    def encode(self, inputs: dict) -> Prompt:
+    def encode(self, inputs: dict, start: int = 0) -> Prompt:
         input_ids = _single_sequence(inputs)
         outer = self.model.model
         embeds = self.decoder.embed_tokens(input_ids)
         pixel_values = inputs.get("pixel_values")
         image_mask, extras = None, {}
-        if pixel_values is not None:
+        if pixel_values is not None and start > 0 and not bool((input_ids[0, start:] == self.image_token_id).any()):
+            image_mask = input_ids == self.image_token_id  # images already in the cache: no vision work
+            grid = inputs["image_grid_thw"]
+            token_types = inputs.get("mm_token_type_ids")
+            positions, deltas = outer.get_rope_index(input_ids, image_mask.int() if token_types is None else token_types,
+                                                     image_grid_thw=grid)
+        elif pixel_values is not None:
             grid = inputs["image_grid_thw"]
             features = outer.get_image_features(pixel_values, grid, return_dict=True)
             image_embeds = torch.cat(features.pooler_output, dim=0).to(embeds.dtype)
