@@ -85,15 +85,33 @@ def server_memory(url: str) -> int:
         return 0
 
 
+def varied_image(image: bytes, index: int) -> bytes:
+    """The image with one pixel changed per request: every request then carries a new image (no cache reuse)."""
+    import io
+
+    from PIL import Image
+
+    picture = Image.open(io.BytesIO(image)).convert("RGB")
+    picture.putpixel((index % picture.width, (index // picture.width) % picture.height),
+                     ((index * 37) % 256, (index * 91) % 256, (index * 53) % 256))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def run_load(url: str, clients: int = 8, seconds: float = 30.0, *, max_requests: int = 10_000, max_tokens: int = 8,
-             image: bytes | None = None, question: str = "What is in the picture?", timeout_s: float = 120.0) -> LoadReport:
-    """Run the load; every client stops when the time is up or `max_requests` have been sent in all."""
+             image: bytes | None = None, question: str = "What is in the picture?", timeout_s: float = 120.0,
+             vary: bool = True) -> LoadReport:
+    """Run the load; every client stops when the time is up or `max_requests` have been sent in all.
+
+    With `vary` each request sends a different image (one pixel changed), so every request runs the vision
+    encoder and the whole prefill; without it, repeated requests are served from the conversation cache."""
     require_loopback(url)
     if not (1 <= clients <= 256 and 0 < seconds <= 3600 and 1 <= max_requests <= 1_000_000):
         raise ValueError("clients must be 1..256, seconds 0..3600 and max_requests 1..1e6")
     report = LoadReport(clients=clients, seconds=seconds)
     report.memory_before_bytes = server_memory(url)
-    body = json.dumps(request_body(image, max_tokens, question))
+    fixed_body = json.dumps(request_body(image, max_tokens, question))
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
     endpoint = url.rstrip("/") + "/v1/chat/completions"
@@ -105,6 +123,10 @@ def run_load(url: str, clients: int = 8, seconds: float = 30.0, *, max_requests:
                     if report.sent >= max_requests:
                         return
                     report.sent += 1
+                    index = report.sent
+                body = fixed_body
+                if vary and image is not None:
+                    body = json.dumps(request_body(varied_image(image, index), max_tokens, question))
                 start = time.monotonic()
                 try:
                     response = http.post(endpoint, content=body, headers={"content-type": "application/json"})

@@ -185,7 +185,7 @@ def serve_from_cli(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)  # docker stop / kill: tear Serve down as Ctrl-C does
-    settings = {"model": model, "device": args.device, "dtype": args.dtype, "queue_size": args.queue_size,
+    settings = {"model": model, "device": args.device, "dtype": args.dtype, "queue_size": args.queue_size or 16,
                 "allow_remote_images": args.allow_remote_images, "allowed_model_root": args.allowed_model_root,
                 "replicas": args.replicas, "max_replicas": args.max_replicas, "num_gpus": args.num_gpus,
                 "num_cpus": args.num_cpus}

@@ -1,6 +1,7 @@
 """The Gradio page: one question, answered by the full model and by POP side by side."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -130,11 +131,13 @@ def compare_json(manager: ModelManager, image, question, model, prune_layers, ma
 
 
 def examples() -> list[list]:
-    images = zoo.assets_dir() / "images"
-    rows = [[str(path), "What is in the picture?"] for path in sorted(images.glob("*.jpg"))]
-    shapes = zoo.assets_dir() / "qa" / "examples"
-    rows += [[str(path), path.stem.replace("_", " ") + "?"] for path in sorted(shapes.glob("*.png"))][:4]
-    return rows
+    """Clickable examples: shapes-task images for the demo model, then real photos (assets/qa/examples.jsonl)."""
+    listing = zoo.assets_dir() / "qa" / "examples.jsonl"
+    if not listing.is_file():
+        return []
+    rows = [json.loads(line) for line in listing.read_text().splitlines() if line.strip()]
+    return [[str(zoo.assets_dir() / row["image"]), row["question"]] for row in rows
+            if (zoo.assets_dir() / row["image"]).is_file()]
 
 
 def build_demo(manager: ModelManager) -> gr.Blocks:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUDGET_BYTES = int(os.environ.get("POP_VLM_PREFIX_CACHE_BYTES", 2 * 1024**3))
+DEFAULT_BUDGET_BYTES = int(os.environ.get("POP_VLM_PREFIX_CACHE_BYTES", 512 * 1024**2))
 
 
 def image_fingerprint(inputs: dict) -> str:
@@ -31,12 +31,16 @@ def image_fingerprint(inputs: dict) -> str:
 
 
 def cache_nbytes(cache) -> int:
-    total = 0
+    """Bytes the cache's K/V tensors keep alive: whole storages (preallocated room included), each counted once."""
+    seen, total = set(), 0
     for layer in getattr(cache, "layers", []):
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
     return total
 
 

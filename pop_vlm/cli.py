@@ -70,16 +70,21 @@ def cmd_serve(args) -> int:
         return serve_from_cli(args)
     import uvicorn
 
+    from app.limits import Limits
     from app.models import ModelManager
     from app.openai_api import ImageFetchPolicy
     from app.server import create_app
 
-    manager = ModelManager(args.model, device=args.device, dtype=args.dtype, allowed_root=args.allowed_model_root)
+    limits = Limits.from_env(max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels,
+                             max_question_chars=args.max_question_chars, max_new_tokens=args.max_new_tokens_cap,
+                             queue_size=args.queue_size, request_timeout_s=args.request_timeout)
+    manager = ModelManager(args.model, device=args.device, dtype=args.dtype, allowed_root=args.allowed_model_root,
+                           limits=limits, trust_remote_code=args.trust_remote_code)
     if manager.default is None:
         print("error: no model given and no default model is installed; use --model", file=sys.stderr)
         return 2
     policy = ImageFetchPolicy(allow_remote=args.allow_remote_images)
-    app = create_app(manager, policy=policy, queue_size=args.queue_size)
+    app = create_app(manager, policy=policy, queue_size=limits.queue_size)
     print(f"pop-vlm serving {manager.default} on http://{args.host}:{args.port}  (API: /v1/chat/completions, /healthz)")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -170,7 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=7860)
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond this are refused")
+    limits = serve.add_argument_group("limits (each also set by the environment variable named in brackets)")
+    limits.add_argument("--max-upload-bytes", type=int, help="largest image, after base64 decoding [POP_VLM_MAX_UPLOAD_BYTES]")
+    limits.add_argument("--max-image-pixels", type=int, help="larger images are refused before decoding [POP_VLM_MAX_IMAGE_PIXELS]")
+    limits.add_argument("--max-question-chars", type=int, help="longest question [POP_VLM_MAX_QUESTION_CHARS]")
+    limits.add_argument("--max-new-tokens-cap", type=int, help="largest max_tokens a request may ask [POP_VLM_MAX_NEW_TOKENS]")
+    limits.add_argument("--queue-size", type=int, help="requests waiting beyond this are refused [POP_VLM_QUEUE_SIZE]")
+    limits.add_argument("--request-timeout", type=float, help="seconds for waiting plus generating [POP_VLM_REQUEST_TIMEOUT_S]")
+    serve.add_argument("--trust-remote-code", action="store_true", help="run model code from the hub (off by default)")
     serve.add_argument("--allow-remote-images", action="store_true", help="let the API fetch http(s) image URLs")
     serve.add_argument("--allowed-model-root", help="local model folders must lie under this folder")
     serve.add_argument("--log-level", default="info")

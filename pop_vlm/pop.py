@@ -67,9 +67,8 @@ def project_skipped_kv(adapter: FamilyAdapter, prompt: Prompt, cache, hidden, sk
     positions = adapter.positions_between(prompt, start, start + hidden.shape[1])
     rope = adapter.rotary(hidden, positions)
     if fused:
-        keys, values = adapter.fused_kv(tuple(skipped))(hidden, rope)
-        for j, layer in enumerate(skipped):
-            cache.update(keys[j], values[j], layer)
+        for layer, keys, values in adapter.fused_kv(tuple(skipped))(hidden, rope):
+            cache.update(keys, values, layer)
     else:
         for layer in skipped:
             cache.update(*adapter.project_kv(layer, hidden, rope), layer)
@@ -112,40 +111,24 @@ class FusedKVProjection:
         self.types = [adapter.layer_types[i] for i in layer_ids]
 
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values stacked over layers: each (k, B, kv_heads, T, head_dim)."""
+    def __call__(self, hidden: torch.Tensor, rope: dict):
+        """(layer, keys, values) for each skipped layer, keys and values (B, kv_heads, T, head_dim).
+
+        One GEMM gives every layer's K and V; k_norm and RoPE then run one layer at a time, so that only one
+        layer's temporaries exist besides the GEMM's output (no extra peak memory over the full model's prefill).
+        """
         batch, length, _ = hidden.shape
         h = hidden.float()
         normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden.dtype)
         out = torch.nn.functional.linear(normed, self.weight, self.bias)
         out = out.view(batch, length, len(self.layer_ids), 2, self.num_kv_heads, self.head_dim)
-        keys, values = out[:, :, :, 0], out[:, :, :, 1]  # (B, T, k, H, D)
-        if self.k_norm_weight is not None:
-            kf = keys.float()
-            kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + self.k_norm_eps)
-            keys = (kf * self.k_norm_weight).to(hidden.dtype)
-        keys = keys.permute(2, 0, 3, 1, 4)  # (k, B, H, T, D)
-        values = values.permute(2, 0, 3, 1, 4)
-        if len(set(self.types)) == 1:  # one RoPE for all skipped layers: no scatter into a second buffer
-            cos, sin = rope[self.types[0]]
-            return apply_rope(keys, cos, sin), values
-        rotated = torch.empty_like(keys)
-        for layer_type in set(self.types):
-            idx = [j for j, t in enumerate(self.types) if t == layer_type]
-            cos, sin = rope[layer_type]
-            rotated[idx] = apply_rope(keys[idx], cos, sin)
-        return rotated, values
-
-
-# ---- 3. boundary step -----------------------------------------------------------------------------------------
-def boundary_step(adapter: FamilyAdapter, prompt: Prompt, cache, layers) -> torch.Tensor:
-    """Run the last prompt token through `layers` (all of them, for POP) and return its logits."""
-    last = prompt.length - 1
-    hidden = adapter.run_layers(
-        prompt.embeds[:, last:], adapter.positions_between(prompt, last, last + 1), cache, layers,
-        prompt=prompt, span=(last, last + 1),
-    )
-    return adapter.logits(hidden[:, -1:])[:, -1]
+        for j, layer in enumerate(self.layer_ids):
+            keys, values = out[:, :, j, 0], out[:, :, j, 1]  # (B, T, H, D)
+            if self.k_norm_weight is not None:
+                kf = keys.float()
+                keys = (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + self.k_norm_eps) * self.k_norm_weight[j]).to(hidden.dtype)
+            cos, sin = rope[self.types[j]]
+            yield layer, apply_rope(keys.transpose(1, 2), cos, sin), values.transpose(1, 2)
 
 
 # ---- the prefill of each mode: segments ------------------------------------------------------------------------
@@ -207,6 +190,7 @@ def run_segment(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan
     return hidden
 
 
+# ---- 3. boundary step (a full segment of one token) -----------------------------------------------------------
 def boundary_step(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan) -> torch.Tensor:
     """The paper's boundary: the last prompt token through all layers; returns its logits (1, vocab)."""
     n = prompt.length

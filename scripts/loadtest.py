@@ -29,6 +29,8 @@ def main() -> int:
     parser.add_argument("--max-requests", type=int, default=10_000)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--no-image", action="store_true", help="text-only requests")
+    parser.add_argument("--same-image", action="store_true",
+                        help="send one image every time (repeats are then served from the conversation cache)")
     parser.add_argument("--out", help="folder for load.json and load.md")
     args = parser.parse_args()
 
@@ -40,10 +42,10 @@ def main() -> int:
 
         with LoopbackServer(create_app(ModelManager(args.serve))) as server:
             report = run_load(server.url, args.clients, args.seconds, max_requests=args.max_requests,
-                              max_tokens=args.max_tokens, image=image)
+                              max_tokens=args.max_tokens, image=image, vary=not args.same_image)
     else:
         report = run_load(args.url, args.clients, args.seconds, max_requests=args.max_requests,
-                          max_tokens=args.max_tokens, image=image)
+                          max_tokens=args.max_tokens, image=image, vary=not args.same_image)
     print(report.table())
     summary = report.summary()
     if args.out:
