@@ -32,7 +32,6 @@ import torch
 from pop_vlm import archs
 from pop_vlm.bench import Point, Requests, machine_description, parse_ints, resolve_vocab, tune_malloc
 from pop_vlm.config import PopConfig
-from pop_vlm.families import detect_family
 from pop_vlm.generate import StageClock
 from pop_vlm.pipeline import Pipeline, resolve_device, resolve_dtype
 
