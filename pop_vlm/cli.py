@@ -43,6 +43,10 @@ def cmd_answer(args) -> int:
     if name is None:
         print("error: no model given and no default model is installed; use --model", file=sys.stderr)
         return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     pipe = load(name, device=args.device, dtype=args.dtype)
     pop = PopConfig(prune_layers=args.prune_layers, kv_projection=not args.no_kv_projection, boundary=not args.no_boundary)
     modes = MODES if args.mode == "all" else [args.mode]
@@ -69,6 +73,11 @@ def cmd_serve(args) -> int:
 
         return serve_from_cli(args)
     import uvicorn
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from app.limits import Limits
     from app.models import ModelManager
@@ -166,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int)
     ask.add_argument("--device", default="auto")
     ask.add_argument("--dtype", default="auto")
+    ask.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ask.add_argument("--json", action="store_true", help="print the answers as JSON")
     ask.set_defaults(func=cmd_answer)
 
@@ -186,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-remote-images", action="store_true", help="let the API fetch http(s) image URLs")
     serve.add_argument("--allowed-model-root", help="local model folders must lie under this folder")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     serve.add_argument("--ray", action="store_true",
                        help="serve from Ray Serve replicas (one model each) behind the same API (needs the ray extra)")
     serve.add_argument("--replicas", default="1", help="with --ray: replica count, or 'auto' to autoscale 1..--max-replicas")
