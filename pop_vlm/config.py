@@ -46,7 +46,10 @@ class PopConfig:
             if spec != "auto":
                 raise ValueError(f"prune_layers must be an int, a fraction of the layer count, or 'auto'; got {spec!r}")
             if auto_k is None:
-                raise ValueError("prune_layers='auto' needs the model's importance profile; none was given")
+                raise ValueError(
+                    "prune_layers='auto' needs the model's importance profile: compute it with Pipeline.importance() "
+                    "(or ship importance.json beside the weights)"
+                )
             k = auto_k
         elif isinstance(spec, bool):
             raise ValueError(f"prune_layers must be an int, a fraction or 'auto'; got {spec!r}")

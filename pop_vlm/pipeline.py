@@ -68,7 +68,13 @@ def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *
         trust_remote_code=trust_remote_code, use_safetensors=True,
     ).to(device).eval()
     processor = load_processor(path, architecture, trust_remote_code=trust_remote_code)
-    return Pipeline(model, processor, name=name_or_path)
+    pipe = Pipeline(model, processor, name=name_or_path)
+    profile = os.path.join(path, "importance.json")
+    if os.path.isfile(profile):  # a shipped importance profile makes prune_layers="auto" work at once
+        from .importance import LayerImportance
+
+        pipe.auto_k = LayerImportance.from_json(profile).auto_k()
+    return pipe
 
 
 def load_processor(path, architecture: str, trust_remote_code: bool = False):

@@ -135,3 +135,19 @@ def test_cli_answer_prints_answers_and_timings(saved_tiny_vlm, picture, tmp_path
         assert mode in out
     code = cli_main(["answer", "--model", str(saved_tiny_vlm), "--image", str(tmp_path / "nope.png"), "--question", "hi"])
     assert code == 2 and "not found" in capsys.readouterr().err
+
+
+def test_shipped_importance_profile_makes_auto_work(saved_tiny_vlm, picture, tmp_path):
+    import shutil
+
+    folder = tmp_path / "with-profile"
+    shutil.copytree(saved_tiny_vlm, folder)
+    plain = pop_vlm.load(str(folder), device="cpu")
+    with pytest.raises(ValueError, match="importance"):
+        plain.answer(picture, QUESTION, pop=PopConfig(prune_layers="auto"), max_new_tokens=2)
+    profile = plain.importance(n_prompts=2, samples_per_prompt=1, prompt_tokens=24, answer_tokens=4)
+    profile.to_json(folder / "importance.json")
+    loaded = pop_vlm.load(str(folder), device="cpu")
+    assert loaded.auto_k == profile.auto_k()
+    answer = loaded.answer(picture, QUESTION, pop=PopConfig(prune_layers="auto"), max_new_tokens=2)
+    assert len(answer.pruned_layers) == profile.auto_k()
