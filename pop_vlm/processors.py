@@ -50,15 +50,19 @@ def load_qwen3_vl_processor(path: str | os.PathLike):
 
 
 def _read_chat_template(path) -> str | None:
-    for name in ("chat_template.jinja",):
+    """The processor's chat template (with image parts) from a local folder or, for a hub id, the hub's files."""
+    import json
+
+    for name in ("chat_template.jinja", "chat_template.json"):
         file = os.path.join(path, name)
+        if not os.path.isfile(file) and not os.path.isdir(path):
+            try:
+                from huggingface_hub import hf_hub_download
+
+                file = hf_hub_download(str(path), name)
+            except Exception:  # noqa: BLE001 - the file may not exist in that repository
+                continue
         if os.path.isfile(file):
             with open(file, encoding="utf-8") as handle:
-                return handle.read()
-    file = os.path.join(path, "chat_template.json")
-    if os.path.isfile(file):
-        import json
-
-        with open(file, encoding="utf-8") as handle:
-            return json.load(handle).get("chat_template")
+                return handle.read() if name.endswith(".jinja") else json.load(handle).get("chat_template")
     return None
