@@ -79,16 +79,15 @@ class ModelManager:
                 return self._pipelines[name]
             try:
                 pipe = pop_vlm.load(name, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
-            except ModelError:
-                raise
             except Exception as err:  # noqa: BLE001 - any loading failure becomes a user-facing message
                 raise ModelError(f"cannot load model {name!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
             self._pipelines[name] = pipe
             while len(self._pipelines) > self.max_loaded:
                 self._pipelines.popitem(last=False)
-            profile = self.cached_importance(name)
-            if profile is not None and hasattr(profile, "auto_k"):
-                pipe.auto_k = profile.auto_k()
+            if pipe.auto_k is None:  # `load` reads a profile shipped with the weights; this adds the on-disk cache
+                profile = self.cached_importance(name)
+                if profile is not None:
+                    pipe.auto_k = profile.auto_k()
             return pipe
 
     @contextmanager

@@ -162,10 +162,9 @@ class Pipeline:
                     picture = load_image(part.get("image"))
                     if picture is None:
                         continue
-                    picture = fit_image(picture, self.max_image_pixels)
                     if not self.is_multimodal:
                         raise ValueError(f"{self.name} is a text-only model; it cannot take an image")
-                    images.append(picture)
+                    images.append(fit_image(picture, self.max_image_pixels))
                     out_parts.append({"type": "image"})
                 else:
                     raise ValueError(f"unknown content part type {part.get('type')!r}: use text or image")
