@@ -90,6 +90,11 @@ class ModelManager:
                     pipe.auto_k = profile.auto_k()
             return pipe
 
+    @property
+    def requests_in_line(self) -> int:
+        """Model requests admitted and not finished: the one running plus those waiting for the device."""
+        return self._waiting
+
     @contextmanager
     def admitted(self):
         """Hold the device for one request: refused when the queue is full or the wait outlasts the timeout."""

@@ -5,7 +5,9 @@
 
 Each replica builds its own `ModelManager` and `create_app(...)` when it starts (so nothing heavy is pickled), loads
 the model before it reports ready, and names itself in the `x-pop-vlm-replica` response header as
-`<app>#<deployment>#<replica id>`. Ray is imported lazily: the rest of the project never needs it.
+`<app>#<deployment>#<replica id>`. The web page is stateful per browser, so requests are routed by
+`ray_router.BrowserSessionRouter`: a browser stays on the replica that served its page, the API spreads freely.
+Ray is imported lazily: the rest of the project never needs it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 APP_NAME = "pop-vlm"
 DEPLOYMENT_NAME = "PopVLM"
+DEFAULT_MAX_ONGOING_REQUESTS = 64
 
 
 class PopVLMReplica:
@@ -27,14 +30,27 @@ class PopVLMReplica:
         self.manager = ModelManager(model, device=device, dtype=dtype, allowed_root=allowed_model_root)
         self.queue_size = queue_size
         self.allow_remote_images = allow_remote_images
+        self.server = None  # the FastAPI app, once built (the ingress wrapper owns the name `app`)
 
     def __serve_build_asgi_app__(self):
+        from ray import serve
+
         from .openai_api import ImageFetchPolicy
+        from .ray_router import SESSION_COOKIE
         from .server import create_app
 
         # the model loads here, before Serve marks the replica RUNNING and routes requests to it
-        return create_app(self.manager, policy=ImageFetchPolicy(allow_remote=self.allow_remote_images),
-                          queue_size=self.queue_size, load_in_background=False, replica=replica_name())
+        self.server = create_app(self.manager, policy=ImageFetchPolicy(allow_remote=self.allow_remote_images),
+                                 queue_size=self.queue_size, load_in_background=False, replica=replica_name(),
+                                 session_cookie=(SESSION_COOKIE, serve.get_replica_context().replica_id.unique_id))
+        return self.server
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What `ray_scaling.scale_on_model_requests` scales on (Serve polls it)."""
+        from .ray_scaling import MODEL_REQUESTS
+
+        work = self.server.state.model_requests() if self.server is not None else self.manager.requests_in_line
+        return {MODEL_REQUESTS: float(work)}
 
     def check_health(self):
         """Serve calls this periodically; raising makes it replace the replica."""
@@ -62,17 +78,20 @@ def _flag(value: Any) -> bool:
 
 def deployment_options(args: dict[str, Any]) -> dict[str, Any]:
     """Serve deployment options from builder args: `replicas` (an int, or "auto" for autoscaling between
-    `min_replicas` and `max_replicas` at `target_ongoing_requests` per replica), `num_gpus`, `num_cpus`,
-    `max_ongoing_requests`."""
+    `min_replicas` and `max_replicas` at `target_ongoing_requests` model requests per replica, see `ray_scaling`),
+    `num_gpus`, `num_cpus`, `max_ongoing_requests`."""
     resources = {"num_cpus": float(args.get("num_cpus", 1)), "num_gpus": float(args.get("num_gpus", 0))}
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": resources,
-        # a replica runs one request at a time (ModelManager serialises runs); a few more wait there, the rest
-        # wait in Serve's router, which hands them to whichever replica frees up first
-        "max_ongoing_requests": int(args.get("max_ongoing_requests", 4)),
+        # a replica runs one model request at a time and queues `queue_size` more itself (429 beyond, as in one
+        # process); Serve's own limit must also leave room for the page's long-lived connections (each open page
+        # holds a heartbeat stream, and an event stream while it waits for an answer), which cost no model time
+        "max_ongoing_requests": int(args.get("max_ongoing_requests", DEFAULT_MAX_ONGOING_REQUESTS)),
         "health_check_period_s": float(args.get("health_check_period_s", 10)),
         "graceful_shutdown_timeout_s": float(args.get("graceful_shutdown_timeout_s", 20)),
+        # a browser's page, uploads and event stream must reach one replica; API requests spread
+        "request_router_config": {"request_router_class": "app.ray_router:BrowserSessionRouter"},
     }
     replicas = args.get("replicas", 1)
     if str(replicas).strip().lower() == "auto":
@@ -82,6 +101,9 @@ def deployment_options(args: dict[str, Any]) -> dict[str, Any]:
             "target_ongoing_requests": float(args.get("target_ongoing_requests", 1)),
             "upscale_delay_s": float(args.get("upscale_delay_s", 10)),
             "downscale_delay_s": float(args.get("downscale_delay_s", 300)),
+            "look_back_period_s": float(args.get("look_back_period_s", 30)),
+            # on model work, not open connections: an idle open page must not start a GPU replica
+            "policy": {"policy_function": "app.ray_scaling:scale_on_model_requests"},
         }
     else:
         options["num_replicas"] = int(replicas)
@@ -141,14 +163,17 @@ def start(args: dict[str, Any], host: str = "127.0.0.1", port: int = 8000, block
     return serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
-def running_replicas(app_name: str = APP_NAME, deployment: str = DEPLOYMENT_NAME) -> int:
-    """How many replicas of the deployment are RUNNING now (from `serve.status()`)."""
+def running_replicas(app_name: str = APP_NAME, deployment: str = DEPLOYMENT_NAME,
+                     states: tuple[str, ...] = ("RUNNING",)) -> int:
+    """How many replicas of the deployment are in `states` now (from `serve.status()`); add "STARTING" to count
+    the ones being brought up as well."""
     from ray import serve
 
     application = serve.status().applications.get(app_name)
     if application is None or deployment not in application.deployments:
         return 0
-    return int(application.deployments[deployment].replica_states.get("RUNNING", 0))
+    counts = application.deployments[deployment].replica_states
+    return int(sum(counts.get(state, 0) for state in states))
 
 
 def wait_for_replicas(count: int, timeout_s: float = 120.0, app_name: str = APP_NAME) -> float:

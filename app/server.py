@@ -17,12 +17,16 @@ from .ui import asset_paths, build_demo
 
 
 def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None, queue_size: int = 16,
-               load_in_background: bool = True, replica: str | None = None) -> FastAPI:
+               load_in_background: bool = True, replica: str | None = None,
+               session_cookie: tuple[str, str] | None = None) -> FastAPI:
     """`replica` names this server in the `x-pop-vlm-replica` response header (default: host:pid); under Ray
-    Serve each replica passes its own id, so clients see how requests spread."""
+    Serve each replica passes its own id, so clients see how requests spread. `session_cookie` (name, value), set
+    on the page's responses, lets a sticky router send a browser's later requests back here (see `ray_router`)."""
     policy = policy or ImageFetchPolicy()
     api = FastAPI(title="pop-vlm", description="Vision-language models with Prefill-Only Pruning")
     api.add_middleware(ReplicaHeader, name=replica or process_name())
+    if session_cookie is not None:
+        api.add_middleware(SessionCookie, name=session_cookie[0], value=session_cookie[1])
 
     @api.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -77,11 +81,23 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
     demo = build_demo(manager)
     demo.queue(max_size=queue_size, default_concurrency_limit=1)
     app = gr.mount_gradio_app(api, demo, path="/", allowed_paths=asset_paths())
+    # requests for the model (API and page clicks, running or waiting), unlike open connections: what to scale on
+    app.state.model_requests = lambda: manager.requests_in_line + page_events_waiting(demo)
     if load_in_background:
         threading.Thread(target=manager.load_default, daemon=True, name="load-default-model").start()
     else:
         manager.load_default()
     return app
+
+
+def page_events_waiting(demo: gr.Blocks) -> int:
+    """Page clicks waiting in Gradio's queue (not yet running, so not yet admitted by the model manager). Gradio
+    offers no public count; its queue's length is it."""
+    queue = getattr(demo, "_queue", None)
+    try:
+        return len(queue) if queue is not None else 0
+    except TypeError:
+        return 0
 
 
 def _run_admitted(manager: ModelManager, pieces):
@@ -132,6 +148,30 @@ class ReplicaHeader:
             await send(message)
 
         return await self.app(scope, receive, send_with_header)
+
+
+API_PATHS = ("/v1/", "/healthz")
+
+
+class SessionCookie:
+    """Pure ASGI middleware naming this replica in a cookie on every response of the web page (not the stateless
+    API, whose clients should keep spreading over replicas). Set on each response rather than once, so that a browser
+    moved here after its replica died is pointed at this one."""
+
+    def __init__(self, app, name: str, value: str):
+        self.app = app
+        self.header = (b"set-cookie", f"{name}={value}; Path=/; HttpOnly; SameSite=Lax".encode("latin-1"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path", "").startswith(API_PATHS):
+            return await self.app(scope, receive, send)
+
+        async def send_with_cookie(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_cookie)
 
 
 def resident_memory_bytes() -> int:

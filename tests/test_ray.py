@@ -49,12 +49,15 @@ def ray_server(tiny_model_dir):
     from app import ray_serve
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # replicas report their load every second (default 10 s), so the autoscaling test sees it in seconds
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+    os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     ray_serve.init_local_ray(num_cpus=2, object_store_bytes=96 * 1024 * 1024, log_to_driver=False,
                              _node_ip_address="127.0.0.1")
     port = free_port()
     try:
         ray_serve.start({"model": tiny_model_dir, "device": "cpu", "replicas": 2, "num_cpus": 1,
-                         "max_ongoing_requests": 2, "health_check_period_s": 2}, host="127.0.0.1", port=port)
+                         "health_check_period_s": 2}, host="127.0.0.1", port=port)
         ray_serve.wait_for_replicas(2, timeout_s=150)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -92,6 +95,133 @@ def test_requests_spread_over_both_replicas(ray_server):
     spread = {name: served.count(name) for name in set(served)}
     print(f"\nreplica spread over {len(served)} requests: {spread}")
     assert len(spread) == 2, spread
+
+
+def test_page_responses_name_the_replica_in_a_cookie_and_api_responses_do_not(tiny_model_dir):
+    app = create_app(ModelManager(tiny_model_dir, device="cpu"), session_cookie=("pop_vlm_replica", "r1"))
+    with LoopbackServer(app) as server, httpx.Client() as client:
+        page = client.get(server.url + "/", timeout=30)
+        config = client.get(server.url + "/config", timeout=30)
+        api = [client.get(server.url + "/healthz", timeout=30), client.get(server.url + "/v1/models", timeout=30)]
+    assert page.status_code == config.status_code == 200
+    assert page.cookies.get("pop_vlm_replica") == config.cookies.get("pop_vlm_replica") == "r1"
+    assert all(response.status_code == 200 and "set-cookie" not in response.headers for response in api)
+
+
+def test_router_reads_the_home_replica_from_the_proxied_request():
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install '.[ray]')")
+    import pickle
+    from types import SimpleNamespace
+
+    from app.ray_router import cookie_value, http_scope
+
+    headers = [(b"host", b"x"), (b"cookie", b'theme=dark; broken; pop_vlm_replica="abc123" ; other=1')]
+    assert cookie_value(headers, "pop_vlm_replica") == "abc123"
+    assert cookie_value(headers, "other") == "1"
+    assert cookie_value(headers, "missing") is None
+    assert cookie_value([(b"cookie", b"pop_vlm_replica=")], "pop_vlm_replica") is None
+    proxied = SimpleNamespace(args=[pickle.dumps(SimpleNamespace(asgi_scope={"path": "/", "headers": headers}))])
+    assert http_scope(proxied)["headers"] == headers
+    assert http_scope(SimpleNamespace(args=[b"not a pickle"])) is None
+    assert http_scope(SimpleNamespace(args=["a handle call", 2])) is None
+    assert http_scope(None) is None
+
+
+def open_pages_on_both_replicas(url: str, at_least: int = 4, tries: int = 40) -> list:
+    """Gradio clients, each like a browser tab with its own cookie jar; opened until both replicas serve some
+    (the first request of a page goes to either replica)."""
+    from gradio_client import Client
+
+    from app.ray_router import SESSION_COOKIE
+
+    clients, homes = [], set()
+    for _ in range(tries):
+        client = Client(url + "/", verbose=False)
+        assert client.cookies.get(SESSION_COOKIE), client.cookies
+        clients.append(client)
+        homes.add(client.cookies[SESSION_COOKIE])
+        if len(homes) == 2 and len(clients) >= at_least:
+            return clients
+    raise AssertionError(f"{tries} pages all went to the replicas {homes}")
+
+
+def test_page_sessions_stay_on_their_replica(ray_server):
+    """Uploads, queue entries and event streams of several pages at once, through two replicas: every click is
+    answered (without affinity, about half of them hung up on the wrong replica)."""
+    from gradio_client import handle_file
+
+    from app.ray_router import SESSION_COOKIE
+    from pop_vlm.zoo import assets_dir
+
+    clients = open_pages_on_both_replicas(ray_server)
+    image = str(assets_dir() / "images" / "chelsea.jpg")
+
+    def two_clicks(client):
+        return [client.predict(handle_file(image), "What animal is in the picture?", "", "2", 4, api_name="/compare")
+                for _ in range(2)]
+
+    with ThreadPoolExecutor(len(clients)) as pool:
+        results = list(pool.map(two_clicks, clients))
+    homes = [client.cookies[SESSION_COOKIE] for client in clients]
+    print(f"\npages per replica: { {home: homes.count(home) for home in set(homes)} }, "
+          f"{sum(map(len, results))} /compare clicks answered")
+    for clicks in results:
+        for result in clicks:
+            assert result["full"]["token_ids"] and result["pop"]["token_ids"], result
+            assert result["pop"]["pruned_layers"] == [4, 5]
+
+
+def test_browser_pages_through_serve_and_a_page_whose_replica_died(ray_server):
+    """Real Chromium tabs (one cookie jar each) on both replicas answer; then one tab's replica is killed: reloading
+    the tab moves it to the live replica and it answers again, and Serve restores the replica."""
+    import ray
+
+    from app import ray_serve
+    from app.ray_router import SESSION_COOKIE
+    from pop_vlm.zoo import assets_dir
+
+    from .test_browser import CHROMIUM, LAUNCH_ARGS, ask, text_contains  # skips when chromium is missing
+    from playwright.sync_api import sync_playwright
+
+    def home(context) -> str:
+        return next(c["value"] for c in context.cookies() if c["name"] == SESSION_COOKIE)
+
+    def answered(page, image: str, question: str):
+        ask(page, assets_dir() / "images" / image, question)
+        for side in ("#full-timing", "#pop-timing"):
+            page.wait_for_function(text_contains(side, "TTFT"), timeout=90_000)
+        assert page.input_value("#full-answer textarea").strip() and page.input_value("#pop-answer textarea").strip()
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        tabs = []
+        for _ in range(40):
+            context = browser.new_context(viewport={"width": 1400, "height": 1100})
+            page = context.new_page()
+            page.goto(ray_server + "/")
+            page.wait_for_selector("#question textarea", timeout=60_000)
+            tabs.append((context, page))
+            if len({home(c) for c, _ in tabs}) == 2:
+                break
+        first, other = tabs[0], next(tab for tab in tabs if home(tab[0]) != home(tabs[0][0]))
+        for _, page in (first, other):
+            answered(page, "chelsea.jpg", "What animal is in the picture?")
+
+        victim = home(first[0])
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{ray_serve.APP_NAME}#{ray_serve.DEPLOYMENT_NAME}#{victim}",
+                               namespace="serve"), no_restart=True)
+        killed_at = time.monotonic()
+        context, page = first
+        page.goto(ray_server + "/")  # the router waits for Serve to drop the dead replica, then picks a live one
+        page.wait_for_selector("#question textarea", timeout=90_000)
+        answered(page, "coffee.jpg", "What is on the table?")
+        moved_after_s = time.monotonic() - killed_at
+        assert home(context) != victim
+        answered(other[1], "coffee.jpg", "What is on the table?")  # the other replica's tab was never disturbed
+        browser.close()
+    ray_serve.wait_for_replicas(2, timeout_s=120)
+    print(f"\nbrowser tabs opened: {len(tabs)}; the tab whose replica died answered again {moved_after_s:.1f} s "
+          f"after the kill; 2 replicas running {time.monotonic() - killed_at:.1f} s after it")
 
 
 def test_killing_a_replica_loses_no_request(ray_server):
@@ -160,3 +290,107 @@ def test_killing_a_replica_loses_no_request(ray_server):
     assert stats["answered"] > answered_at_kill
     new = set(served) - set(served[:answered_at_kill])
     assert new - {victim}, "the replacement replica answered no request"
+
+
+def test_scaling_policy_counts_model_requests():
+    from types import SimpleNamespace
+
+    from app.ray_scaling import MODEL_REQUESTS, scale_on_model_requests
+
+    def context(reported, queued=0.0, target=1.0, current=1):
+        config = SimpleNamespace(get_target_ongoing_requests=lambda: target)
+        return SimpleNamespace(aggregated_metrics={MODEL_REQUESTS: reported} if reported is not None else {},
+                               total_queued_requests=queued, config=config, target_num_replicas=current)
+
+    assert scale_on_model_requests(context({"a": 0.0, "b": 0.0}))[0] == 0
+    assert scale_on_model_requests(context({"a": 3.0, "b": 1.0}))[0] == 4
+    assert scale_on_model_requests(context({"a": 3.0, "b": 1.0}, queued=2.0, target=2.0))[0] == 3
+    assert scale_on_model_requests(context(None, current=3))[0] == 3  # nothing reported yet: hold
+
+
+def test_autoscaling_ignores_idle_pages_and_follows_model_requests(ray_server, tiny_model_dir):
+    """Open pages hold long-lived connections (heartbeat streams) that Serve's default policy would count as load;
+    ours scales on model requests: idle pages keep one replica, a stream of API requests brings the second."""
+    from ray import serve
+
+    from app import ray_serve
+
+    name = "pop-vlm-auto"
+    serve.run(ray_serve.build_app({"model": tiny_model_dir, "device": "cpu", "replicas": "auto", "min_replicas": 1,
+                                   "max_replicas": 2, "num_cpus": 0, "upscale_delay_s": 1, "downscale_delay_s": 600,
+                                   "look_back_period_s": 2, "health_check_period_s": 2}),
+              name=name, route_prefix="/auto")
+    ray_serve.wait_for_replicas(1, timeout_s=120, app_name=name)
+    url = ray_server + "/auto"
+    stop = threading.Event()
+    opened = threading.Semaphore(0)
+
+    def idle_page(session: int):
+        with httpx.Client() as client, client.stream("GET", f"{url}/gradio_api/heartbeat/idle-{session}",
+                                                     timeout=60) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()  # held: a dropped iterator would close the stream
+            next(lines)
+            opened.release()
+            stop.wait(60)
+
+    pages = [threading.Thread(target=idle_page, args=(i,), daemon=True) for i in range(8)]
+    for page in pages:
+        page.start()
+    for _ in pages:
+        assert opened.acquire(timeout=30)
+    idle_replicas = 0
+    watch_until = time.monotonic() + 15  # Serve's default policy counts the 8 streams and starts a second replica
+    while time.monotonic() < watch_until:
+        idle_replicas = max(idle_replicas, ray_serve.running_replicas(name, states=("RUNNING", "STARTING")))
+        time.sleep(0.25)
+    stats = {"answered": 0}
+
+    def busy_client():
+        with httpx.Client() as client:
+            while not stop.is_set():
+                response = chat(url, client, max_tokens=24)
+                assert response.status_code == 200, response.text
+                stats["answered"] += 1
+
+    clients = [threading.Thread(target=busy_client, daemon=True) for _ in range(4)]
+    loaded_at = time.monotonic()
+    for client in clients:
+        client.start()
+    try:
+        scaled_after_s = ray_serve.wait_for_replicas(2, timeout_s=90, app_name=name)
+    finally:
+        stop.set()
+        for thread in [*pages, *clients]:
+            thread.join(timeout=60)
+        serve.delete(name)
+    print(f"\nautoscaling: 8 idle pages -> {idle_replicas} replica(s); 4 busy API clients -> 2 replicas after "
+          f"{scaled_after_s:.1f} s ({stats['answered']} answers in {time.monotonic() - loaded_at:.1f} s)")
+    assert idle_replicas == 1
+
+
+@pytest.mark.parametrize("source", ["deploy/ray-serve.yaml", "deploy/kuberay-rayservice.yaml"])
+def test_committed_serve_configs_are_valid(source):
+    """Both committed Serve configs pass Serve's own schema, and their builder args give valid deployment options
+    (the request router and autoscaling policy import and validate)."""
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install '.[ray]')")
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    from app import ray_serve
+
+    document = yaml.safe_load((Path(__file__).resolve().parent.parent / source).read_text())
+    if document.get("kind") == "RayService":
+        document = yaml.safe_load(document["spec"]["serveConfigV2"])
+    config = ServeDeploySchema.model_validate(document)
+    (application,) = config.applications
+    assert application.import_path == "app.ray_serve:build_app"
+    options = ray_serve.deployment_options(application.args)
+    router = RequestRouterConfig(**options["request_router_config"])
+    assert router.get_request_router_class().__name__ == "BrowserSessionRouter"
+    autoscaling = AutoscalingConfig(**options["autoscaling_config"])
+    assert autoscaling.policy.get_policy().__name__ == "scale_on_model_requests"
+    assert options["max_ongoing_requests"] >= 32
