@@ -3,7 +3,7 @@
 The Gradio page is stateful per browser: the upload, the queue entry (`/gradio_api/queue/join`) and the event stream
 (`/gradio_api/queue/data`) of one click must reach the same process, or the stream waits for an event that another
 replica holds. Every replica therefore names itself in a session cookie on the page's responses (see
-`server.SessionCookie`), and this router sends each request carrying that cookie back to the replica it names, while
+`server.create_app`), and this router sends each request carrying that cookie back to the replica it names, while
 it is alive. Requests without the cookie (the OpenAI-style API, first page loads) get Serve's usual "power of two
 choices" between the least busy of two random replicas. When the named replica is gone the request goes to another
 one, whose response re-points the cookie; the browser's in-flight event is lost with the replica, the next one works.

@@ -24,9 +24,13 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
     on the page's responses, lets a sticky router send a browser's later requests back here (see `ray_router`)."""
     policy = policy or ImageFetchPolicy()
     api = FastAPI(title="pop-vlm", description="Vision-language models with Prefill-Only Pruning")
-    api.add_middleware(ReplicaHeader, name=replica or process_name())
+    api.add_middleware(AddResponseHeader, name=REPLICA_HEADER, value=replica or process_name())
     if session_cookie is not None:
-        api.add_middleware(SessionCookie, name=session_cookie[0], value=session_cookie[1])
+        # on the page's responses only: API clients should keep spreading over replicas. Set on each response,
+        # not once, so that a browser moved here after its replica died is pointed at this one.
+        cookie_name, cookie_value = session_cookie
+        api.add_middleware(AddResponseHeader, name="set-cookie", skip_paths=API_PATHS,
+                           value=f"{cookie_name}={cookie_value}; Path=/; HttpOnly; SameSite=Lax")
 
     @api.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -132,14 +136,16 @@ def process_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class ReplicaHeader:
-    """Pure ASGI middleware (streams pass through untouched) adding `x-pop-vlm-replica` to every HTTP response."""
+class AddResponseHeader:
+    """Pure ASGI middleware (streams pass through untouched) adding one header to every HTTP response, except to
+    requests whose path starts with one of `skip_paths`."""
 
-    def __init__(self, app, name: str):
-        self.app, self.header = app, (REPLICA_HEADER.encode(), name.encode("latin-1", "replace"))
+    def __init__(self, app, name: str, value: str, skip_paths: tuple[str, ...] = ()):
+        self.app, self.skip_paths = app, skip_paths
+        self.header = (name.encode("latin-1"), value.encode("latin-1", "replace"))
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path", "").startswith(self.skip_paths):
             return await self.app(scope, receive, send)
 
         async def send_with_header(message):
@@ -151,27 +157,6 @@ class ReplicaHeader:
 
 
 API_PATHS = ("/v1/", "/healthz")
-
-
-class SessionCookie:
-    """Pure ASGI middleware naming this replica in a cookie on every response of the web page (not the stateless
-    API, whose clients should keep spreading over replicas). Set on each response rather than once, so that a browser
-    moved here after its replica died is pointed at this one."""
-
-    def __init__(self, app, name: str, value: str):
-        self.app = app
-        self.header = (b"set-cookie", f"{name}={value}; Path=/; HttpOnly; SameSite=Lax".encode("latin-1"))
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path", "").startswith(API_PATHS):
-            return await self.app(scope, receive, send)
-
-        async def send_with_cookie(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        return await self.app(scope, receive, send_with_cookie)
 
 
 def resident_memory_bytes() -> int:

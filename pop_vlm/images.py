@@ -22,11 +22,17 @@ class ImageError(ValueError):
 
 
 def load_image(image) -> Image.Image | None:
-    """Accept a path, bytes, a PIL image or a numpy array (H×W, H×W×3 or H×W×4; uint8, or floats in [0, 1])."""
+    """Accept a path, bytes, a binary file object, a PIL image or a numpy array (H×W, H×W×3 or H×W×4; uint8,
+    16-bit, bool, or floats in [0, 1] or [0, 255])."""
     if image is None:
         return None
+    if isinstance(image, str) and image.split(":", 1)[0].lower() in ("http", "https", "ftp", "data"):
+        raise ImageError("image URLs are not fetched here: download the image and pass the file, its bytes or a "
+                         "PIL image (the HTTP API fetches remote images only when the server allows it)")
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
+        if path.is_dir():
+            raise ImageError(f"{path} is a folder, not an image file")
         if not path.is_file():
             raise ImageError(f"image file not found: {path}")
         try:
@@ -46,11 +52,17 @@ def load_image(image) -> Image.Image | None:
             raise ImageError(_too_large()) from None
         except (UnidentifiedImageError, OSError, SyntaxError) as err:
             raise ImageError(f"cannot read the uploaded bytes as an image: {err}") from None
+    if hasattr(image, "read") and not isinstance(image, Image.Image):  # an open binary file, BytesIO, an upload
+        data = image.read()
+        if not isinstance(data, (bytes, bytearray)):
+            raise ImageError("the file object gave text, not bytes: open image files in binary mode ('rb')")
+        return load_image(bytes(data))
     if isinstance(image, Image.Image):
         return to_rgb(image)
     if isinstance(image, np.ndarray):
         return to_rgb(Image.fromarray(_array_to_uint8(image)))
-    raise ImageError(f"unsupported image type {type(image).__name__}: pass a path, bytes, a PIL image or a numpy array")
+    raise ImageError(f"unsupported image type {type(image).__name__}: pass a path, bytes, a binary file, a PIL "
+                     "image or a numpy array")
 
 
 def _too_large() -> str:
@@ -96,7 +108,9 @@ def _array_to_uint8(array: np.ndarray) -> np.ndarray:
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[..., 0]
     if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
-        raise ImageError(f"an image array must be H×W, H×W×3 or H×W×4; got shape {array.shape}")
+        hint = (" (channels first: pass array.transpose(1, 2, 0))"
+                if array.ndim == 3 and array.shape[0] in (1, 3, 4) else "")
+        raise ImageError(f"an image array must be H×W, H×W×3 or H×W×4; got shape {array.shape}{hint}")
     if array.size == 0:
         raise ImageError("the image array is empty")
     if array.dtype == np.uint8:
@@ -104,11 +118,20 @@ def _array_to_uint8(array: np.ndarray) -> np.ndarray:
     if np.issubdtype(array.dtype, np.floating):
         if not np.isfinite(array).all():
             raise ImageError("the image array has NaN or infinite values")
-        if array.min() >= 0.0 and array.max() <= 1.0:
+        low, high = float(array.min()), float(array.max())
+        if low < 0.0 or high > 255.0:
+            # no scale to guess from: clipping would feed the model a different picture
+            raise ImageError(f"a float image array must hold values in [0, 1] or [0, 255]; this one spans "
+                             f"[{low:g}, {high:g}]")
+        if high <= 1.0:
             array = array * 255.0
-        return array.clip(0, 255).round().astype(np.uint8)
+        return array.round().astype(np.uint8)
     if np.issubdtype(array.dtype, np.integer):
-        top = 65535 if array.max() > 255 else 255
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high > 65535:
+            raise ImageError(f"an integer image array must hold values in [0, 255] or [0, 65535]; this one spans "
+                             f"[{low}, {high}]")
+        top = 65535 if high > 255 else 255
         return (array.astype(np.float64) / top * 255.0).clip(0, 255).round().astype(np.uint8)
     if array.dtype == np.bool_:
         return array.astype(np.uint8) * 255

@@ -137,7 +137,9 @@ class Pipeline:
     def build_inputs(self, image, question: str) -> dict:
         """Processor output for one (image, question) — the chat template with the image for VLMs, the text
         model's chat template if it has one, else the plain question."""
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str):
+            raise TypeError(f"the question must be a string, not {type(question).__name__}")
+        if not question.strip():
             raise ValueError("the question is empty")
         content = ([{"type": "image", "image": image}] if image is not None else []) + [{"type": "text", "text": question}]
         return self.build_chat_inputs([{"role": "user", "content": content}])

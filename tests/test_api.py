@@ -96,6 +96,35 @@ def test_bad_inputs_get_clear_errors(pipelines, picture, tmp_path):
         pipelines("tiny-llama").answer(picture, QUESTION)
 
 
+def test_more_image_inputs_are_read_or_refused_clearly(pipelines, picture, tmp_path):
+    import io
+
+    pixels = np.asarray(picture)
+    png = tmp_path / "p.png"
+    picture.save(png)
+    with open(png, "rb") as handle:  # open binary files and BytesIO read like their bytes
+        assert np.array_equal(np.asarray(load_image(handle)), np.asarray(load_image(png)))
+    assert np.array_equal(np.asarray(load_image(io.BytesIO(png.read_bytes()))), np.asarray(load_image(png)))
+    with open(png, encoding="latin-1") as text_handle, pytest.raises(ImageError, match="binary mode"):
+        load_image(text_handle)
+    as_255 = pixels.astype(np.float32)  # floats in [0, 255] and in [0, 1] give the same picture
+    assert np.array_equal(np.asarray(load_image(as_255)), np.asarray(load_image(as_255 / 255.0)))
+    for array, message in [(pixels.astype(np.float32) * 4, r"\[0, 1\] or \[0, 255\]"),
+                           (pixels.astype(np.int32) - 300, r"\[0, 65535\]"),
+                           (np.transpose(pixels, (2, 0, 1)), "transpose"),
+                           (np.zeros(10), "H×W")]:
+        with pytest.raises(ImageError, match=message):
+            load_image(array)
+    with pytest.raises(ImageError, match="not fetched"):
+        load_image("https://example.com/cat.png")
+    with pytest.raises(ImageError, match="folder"):
+        load_image(tmp_path)
+    with pytest.raises(ImageError, match="unsupported image type int"):
+        load_image(7)
+    with pytest.raises(TypeError, match="must be a string"):
+        pipelines("tiny-qwen3-vl").answer(picture, 42)
+
+
 def test_image_modes_become_rgb():
     gray = np.linspace(0, 1, 64 * 64).reshape(64, 64)
     assert load_image(gray).mode == "RGB"
