@@ -1,7 +1,11 @@
-"""A bounded load test of the HTTP API, on loopback only: N clients for T seconds, nothing may be lost.
+"""A bounded load test on loopback only: N API clients (and optionally P web-page sessions) for T seconds, nothing
+may be lost.
 
-Outcomes per request: answered (200), refused (429/503: the server said it is busy), failed (any other status,
-or a 200 without an answer), lost (no HTTP response at all: connection dropped, reset or timed out).
+Outcomes per API request: answered (200), refused (429/503: the server said it is busy), failed (any other status,
+or a 200 without an answer), lost (no HTTP response at all: connection dropped, reset or timed out). A page session
+is a Gradio client with its own cookies, as a browser tab, clicking "compare" (full and POP) over and over; each
+click is answered or failed. Answers are counted per replica (the `x-pop-vlm-replica` header for the API, the
+`pop_vlm_replica` cookie for pages), which shows the spread behind Ray Serve.
 """
 from __future__ import annotations
 
@@ -43,6 +47,11 @@ class LoadReport:
     errors: list[str] = field(default_factory=list, repr=False)
     memory_before_bytes: int = 0
     memory_after_bytes: int = 0
+    pages: int = 0
+    page_clicks_answered: int = 0
+    page_clicks_failed: int = 0
+    api_answers_per_replica: dict[str, int] = field(default_factory=dict)
+    page_clicks_per_replica: dict[str, int] = field(default_factory=dict)
 
     def percentile(self, q: float) -> float:
         if not self.latencies_s:
@@ -65,8 +74,19 @@ class LoadReport:
                 ("lost", s["lost"]), ("latency p50 / p90 / p99 (s)", f"{s['p50_s']:.2f} / {s['p90_s']:.2f} / {s['p99_s']:.2f}"),
                 ("answers per second", f"{s['throughput_per_s']:.2f}"),
                 ("server memory before / after (MiB)", f"{s['memory_before_bytes'] / 2**20:.0f} / {s['memory_after_bytes'] / 2**20:.0f}")]
+        if len(s["api_answers_per_replica"]) > 1:
+            rows.append(("API answers per replica", _spread(s["api_answers_per_replica"])))
+        if s["pages"]:
+            rows += [("page sessions", s["pages"]),
+                     ("page clicks answered / failed", f"{s['page_clicks_answered']} / {s['page_clicks_failed']}")]
+            if len(s["page_clicks_per_replica"]) > 1:
+                rows.append(("page clicks per replica", _spread(s["page_clicks_per_replica"])))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _spread(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name.rsplit('#', 1)[-1]} {count}" for name, count in sorted(counts.items()))
 
 
 def request_body(image: bytes | None, max_tokens: int, question: str) -> dict:
@@ -101,15 +121,20 @@ def varied_image(image: bytes, index: int) -> bytes:
 
 def run_load(url: str, clients: int = 8, seconds: float = 30.0, *, max_requests: int = 10_000, max_tokens: int = 8,
              image: bytes | None = None, question: str = "What is in the picture?", timeout_s: float = 120.0,
-             vary: bool = True) -> LoadReport:
+             vary: bool = True, pages: int = 0) -> LoadReport:
     """Run the load; every client stops when the time is up or `max_requests` have been sent in all.
 
     With `vary` each request sends a different image (one pixel changed), so every request runs the vision
-    encoder and the whole prefill; without it, repeated requests are served from the conversation cache."""
+    encoder and the whole prefill; without it, repeated requests are served from the conversation cache.
+    `pages` web-page sessions click "compare" on the same images meanwhile (they need an image)."""
     require_loopback(url)
-    if not (1 <= clients <= 256 and 0 < seconds <= 3600 and 1 <= max_requests <= 1_000_000):
-        raise ValueError("clients must be 1..256, seconds 0..3600 and max_requests 1..1e6")
-    report = LoadReport(clients=clients, seconds=seconds)
+    if not (0 <= clients <= 256 and 0 <= pages <= 64 and clients + pages >= 1 and 0 < seconds <= 3600
+            and 1 <= max_requests <= 1_000_000):
+        raise ValueError("clients must be 0..256, pages 0..64 (at least one of them), seconds 0..3600 and "
+                         "max_requests 1..1e6")
+    if pages and image is None:
+        raise ValueError("page sessions upload an image: run them with one")
+    report = LoadReport(clients=clients, seconds=seconds, pages=pages)
     report.memory_before_bytes = server_memory(url)
     fixed_body = json.dumps(request_body(image, max_tokens, question))
     lock = threading.Lock()
@@ -140,13 +165,49 @@ def run_load(url: str, clients: int = 8, seconds: float = 30.0, *, max_requests:
                     if response.status_code == 200 and _has_answer(response):
                         report.answered += 1
                         report.latencies_s.append(elapsed)
+                        replica = response.headers.get("x-pop-vlm-replica", "?")
+                        report.api_answers_per_replica[replica] = report.api_answers_per_replica.get(replica, 0) + 1
                     elif response.status_code in (429, 503):
                         report.refused += 1
                     else:
                         report.failed += 1
                         report.errors.append(f"failed: HTTP {response.status_code}: {response.text[:200]}")
 
+    def page_loop(session: int):
+        import tempfile
+
+        from gradio_client import Client, handle_file
+
+        try:
+            page = Client(url.rstrip("/") + "/", verbose=False)
+        except Exception as err:  # noqa: BLE001 - the page did not even load: every click of it fails
+            with lock:
+                report.page_clicks_failed += 1
+                report.errors.append(f"page {session} did not load: {type(err).__name__}: {err}")
+            return
+        home = page.cookies.get("pop_vlm_replica", "?")
+        with tempfile.TemporaryDirectory() as folder:
+            click = 0
+            while time.monotonic() < deadline:
+                click += 1
+                path = Path(folder) / f"page{session}-{click}.png"
+                path.write_bytes(varied_image(image, 1_000_000 * (session + 1) + click) if vary else image)
+                try:
+                    result = page.predict(handle_file(str(path)), question, "", "", max_tokens, api_name="/compare")
+                    ok = bool(result["full"]["token_ids"]) and bool(result["pop"]["token_ids"])
+                    error = None if ok else f"page {session}: a click without an answer: {str(result)[:200]}"
+                except Exception as err:  # noqa: BLE001 - any failure of a click is counted, not raised
+                    ok, error = False, f"page {session}: {type(err).__name__}: {err}"
+                with lock:
+                    if ok:
+                        report.page_clicks_answered += 1
+                        report.page_clicks_per_replica[home] = report.page_clicks_per_replica.get(home, 0) + 1
+                    else:
+                        report.page_clicks_failed += 1
+                        report.errors.append(error)
+
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
+    threads += [threading.Thread(target=page_loop, args=(i,), daemon=True) for i in range(pages)]
     started = time.monotonic()
     for thread in threads:
         thread.start()
