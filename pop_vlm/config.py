@@ -35,9 +35,7 @@ class PopConfig:
     full_tail: Union[int, str] = 1
 
     def __post_init__(self):
-        tail = self.full_tail
-        if tail != "text" and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 1):
-            raise ValueError(f"full_tail must be a positive int or 'text', got {tail!r}")
+        check_full_tail(self.full_tail)
 
     def num_pruned(self, num_layers: int, auto_k: int | None = None) -> int:
         """Resolve `prune_layers` to a layer count k for a model of `num_layers` layers."""
@@ -75,3 +73,15 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     return mode
+
+
+def check_full_tail(full_tail) -> int | str:
+    if full_tail != "text" and (isinstance(full_tail, bool) or not isinstance(full_tail, int) or full_tail < 1):
+        raise ValueError(f"full_tail must be a positive int or 'text', got {full_tail!r}")
+    return full_tail
+
+
+def check_max_new_tokens(max_new_tokens) -> int:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    return max_new_tokens

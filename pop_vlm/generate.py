@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from .config import PopConfig
+from .config import PopConfig, check_max_new_tokens
 from .families.base import FamilyAdapter, Prompt
 from .pop import PrefillPlan, make_plan, prefill
 
@@ -171,8 +171,7 @@ def generate_tokens(
     With `time_limit_s`, decoding stops once that many seconds have passed (finish_reason "timeout"). With
     `cache` holding the K/V of the prompt's first `start` tokens, only tokens [start, N) are prefilled.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     sampling = sampling or SamplingParams()
     eos_token_ids = set(eos_token_ids or ())
     result = result if result is not None else GenerationResult()

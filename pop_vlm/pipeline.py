@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from .chat import Conversation, PrefixCache, image_fingerprint
-from .config import PopConfig, check_mode
+from .config import PopConfig, check_max_new_tokens, check_mode
 from .families import adapter_class_for, detect_family
 from .generate import Answer, GenerationResult, SamplingParams, Timings, generate_tokens
 from .images import fit_image, load_image
@@ -158,8 +158,9 @@ class Pipeline:
             out_parts = []
             for part in parts:
                 if part.get("type") == "text":
-                    out_parts.append({"type": "text", "text": str(part.get("text", ""))})
-                    texts.append(str(part.get("text", "")))
+                    part_text = str(part.get("text", ""))
+                    out_parts.append({"type": "text", "text": part_text})
+                    texts.append(part_text)
                 elif part.get("type") == "image":
                     picture = load_image(part.get("image"))
                     if picture is None:
@@ -229,8 +230,7 @@ class Pipeline:
         check_mode(mode)
         pop = pop if pop is not None else PopConfig()
         sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         plan = make_plan(self.adapter, mode, pop, self.auto_k)  # a bad k or a protected layer fails here
         n_prompt = int(inputs["input_ids"].shape[-1])
         if self.context_length and n_prompt + max_new_tokens > self.context_length:

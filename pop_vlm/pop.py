@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PopConfig, check_mode
+from .config import PopConfig, check_full_tail, check_mode
 from .families.base import FamilyAdapter, Prompt, apply_rope, norm_eps
 
 
@@ -52,7 +52,8 @@ def make_plan(adapter: FamilyAdapter, mode: str = "pop", pop: PopConfig | None =
 
 # ---- 1. pruned prefill ---------------------------------------------------------------------------------------
 def pruned_prefill(adapter: FamilyAdapter, prompt: Prompt, cache, layers, end: int, start: int = 0) -> torch.Tensor:
-    """Run prompt tokens [start, end) through `layers` (the kept ones); returns their output hidden states."""
+    """Run prompt tokens [start, end) through `layers` (the kept ones; a full segment passes all of them); returns
+    their output hidden states."""
     positions = adapter.positions_between(prompt, start, end)
     return adapter.run_layers(prompt.embeds[:, start:end], positions, cache, layers, prompt=prompt, span=(start, end))
 
@@ -149,9 +150,7 @@ def tail_length(prompt: Prompt, full_tail) -> int:
             return 1  # no image: the paper's boundary token
         last_image = int(prompt.image_mask[0].nonzero().max())
         return max(1, prompt.length - 1 - last_image)
-    if isinstance(full_tail, bool) or not isinstance(full_tail, int) or full_tail < 1:
-        raise ValueError(f"full_tail must be a positive int or 'text', got {full_tail!r}")
-    return min(full_tail, prompt.length)
+    return min(check_full_tail(full_tail), prompt.length)
 
 
 def plan_segments(plan: PrefillPlan, prompt: Prompt, full_tail=1, start: int = 0) -> list[Segment]:
@@ -179,13 +178,9 @@ def plan_segments(plan: PrefillPlan, prompt: Prompt, full_tail=1, start: int = 0
 
 def run_segment(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, segment: Segment) -> torch.Tensor:
     """Run one segment against the cache; returns the output hidden states of the stack that ran."""
-    if segment.full:
-        span = (segment.start, segment.end)
-        positions = adapter.positions_between(prompt, *span)
-        return adapter.run_layers(prompt.embeds[:, segment.start:segment.end], positions, cache, plan.decode_layers,
-                                  prompt=prompt, span=span)
-    hidden = pruned_prefill(adapter, prompt, cache, plan.kept, segment.end, start=segment.start)
-    if plan.mode == "pop" and plan.kv_projection:
+    layers = plan.decode_layers if segment.full else plan.kept
+    hidden = pruned_prefill(adapter, prompt, cache, layers, segment.end, start=segment.start)
+    if not segment.full and plan.mode == "pop" and plan.kv_projection:
         project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned, plan.fused, start=segment.start)
     return hidden
 
