@@ -7,8 +7,8 @@ residual adds, softmax (element-wise work, linear in the tokens and identical pe
 vision encoder (the same in every mode). One multiply-add is 2 FLOPs.
 
     full   : L layers over N tokens
-    pop    : L-k layers over N-1 tokens + the K/V projections of the k skipped layers over N-1 tokens
-             + the last token (the boundary step) through all L layers, attending to N keys
+    pop    : L-k layers over N tokens + the K/V projections of the k skipped layers over N-1 tokens
+             + the last token (the boundary step) through the k skipped layers, attending to N keys
     static : L-k layers over N tokens
 """
 from __future__ import annotations
@@ -110,12 +110,13 @@ def prefill_flops(shape: DecoderShape, n_tokens: int, mode: str = "full", k: int
     if not boundary:
         flops = shape.layers_over(kept, 0, n)
         return flops + (k * n * shape.kv_projection_per_token() if kv_projection else 0) + shape.lm_head()
-    flops = shape.layers_over(kept, 0, n - 1)
+    flops = shape.layers_over(kept, 0, n)  # the boundary token's pass through the kept layers rides along
+    skipped = range(shape.num_layers - k, shape.num_layers)
     if kv_projection:
         flops += k * (n - 1) * shape.kv_projection_per_token()
-        flops += shape.layers_over(every, n - 1, n)
+        flops += shape.layers_over(skipped, n - 1, n)
     else:  # skipped layers hold no prompt keys: the boundary token attends to itself only there
-        flops += shape.layers_over(kept, n - 1, n) + k * (shape.linear_per_token() + 4 * shape.q_dim)
+        flops += k * (shape.linear_per_token() + 4 * shape.q_dim)
     return flops + shape.lm_head()
 
 

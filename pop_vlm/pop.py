@@ -1,11 +1,13 @@
 """Prefill-Only Pruning: the three pieces of the method.
 
-1. `pruned_prefill` — prompt tokens x_1..x_{N-1} run through the kept layers [0, L-k) only.
+1. `pruned_prefill` — the prompt's tokens run through the kept layers [0, L-k) only (in POP every prompt token,
+   the tail's included: their pass through the kept layers is the same computation either way).
 2. `project_skipped_kv` — each skipped layer still gets its KV cache, projected from the last kept layer's
    output h through that layer's own input norm, W_K (k_norm, RoPE) and W_V; its attention and MLP never run.
    `FusedKVProjection` does this for all skipped layers in one GEMM.
-3. `boundary_step` — the last prompt token x_N runs through all L layers against that cache, so the first
-   generated token comes from the full model.
+3. `tail_through_skipped` — the paper's boundary step: the last prompt token x_N (or the last `full_tail` tokens)
+   continues from its kept-layer output through the k skipped layers, against the projected cache, so the first
+   generated token comes from all L layers.
 
 `prefill` puts them together for each mode; `PrefillPlan` says which layers each stage uses.
 """
@@ -132,6 +134,18 @@ class FusedKVProjection:
             yield layer, apply_rope(keys.transpose(1, 2), cos, sin), values.transpose(1, 2)
 
 
+# ---- 3. the tail through the skipped layers ---------------------------------------------------------------------
+def tail_through_skipped(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, hidden: torch.Tensor,
+                         start: int) -> torch.Tensor:
+    """Run the tail tokens [start, start + T) — the paper's boundary token x_N when the tail is one token — through
+    the skipped layers, from `hidden`, their output of the kept layers. They attend to the projected cache and to
+    themselves. Their pass through the kept layers is the pruned prefill's (attention is causal: a token's hidden
+    state at a kept layer depends only on the tokens up to it), so only the k skipped layers are extra work."""
+    span = (start, start + hidden.shape[1])
+    positions = adapter.positions_between(prompt, *span)
+    return adapter.run_layers(hidden, positions, cache, plan.pruned, prompt=prompt, span=span)
+
+
 # ---- the prefill of each mode: segments ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Segment:
@@ -176,48 +190,75 @@ def plan_segments(plan: PrefillPlan, prompt: Prompt, full_tail=1, start: int = 0
     return segments + [Segment(boundary, n, True)]
 
 
-def run_segment(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, segment: Segment) -> torch.Tensor:
-    """Run one segment against the cache; returns the output hidden states of the stack that ran."""
+def pair_tails(plan: PrefillPlan, segments: list[Segment]) -> list[tuple[Segment, Segment | None]]:
+    """Group each full segment that follows a pruned one with it, as (pruned, tail); other segments stand alone
+    as (segment, None). In POP the pair shares one pass through the kept layers (see `run_segment`)."""
+    groups: list[tuple[Segment, Segment | None]] = []
+    for segment in segments:
+        previous = groups[-1] if groups else None
+        if (plan.mode == "pop" and segment.full and previous is not None and previous[1] is None
+                and not previous[0].full and previous[0].end == segment.start):
+            groups[-1] = (previous[0], segment)
+        else:
+            groups.append((segment, None))
+    return groups
+
+
+def run_segment(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, segment: Segment,
+                tail: Segment | None = None, before_tail=None) -> torch.Tensor:
+    """Run one segment against the cache; returns the output hidden states of the last stack that ran.
+
+    With a full `tail` right after a pruned `segment` (POP), the tail's tokens ride with the segment's pass through
+    the kept layers, the skipped layers' K/V are projected for the segment's tokens only, and then the tail alone
+    runs through the skipped layers. `before_tail` is called just before that last part (the clock's "prefill")."""
+    end = tail.end if tail is not None else segment.end
     layers = plan.decode_layers if segment.full else plan.kept
-    hidden = pruned_prefill(adapter, prompt, cache, layers, segment.end, start=segment.start)
+    hidden = pruned_prefill(adapter, prompt, cache, layers, end, start=segment.start)
     if not segment.full and plan.mode == "pop" and plan.kv_projection:
-        project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned, plan.fused, start=segment.start)
-    return hidden
+        project_skipped_kv(adapter, prompt, cache, hidden[:, : segment.end - segment.start], plan.pruned,
+                           plan.fused, start=segment.start)
+    if tail is None:
+        return hidden
+    if before_tail is not None:
+        before_tail()
+    return tail_through_skipped(adapter, prompt, cache, plan, hidden[:, tail.start - segment.start:], tail.start)
 
 
-# ---- 3. boundary step (a full segment of one token) -----------------------------------------------------------
-def boundary_step(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan) -> torch.Tensor:
-    """The paper's boundary: the last prompt token through all layers; returns its logits (1, vocab)."""
-    n = prompt.length
-    hidden = run_segment(adapter, prompt, cache, plan, Segment(n - 1, n, True))
-    return adapter.logits(hidden[:, -1:])[:, -1]
+def check_images_whole(adapter: FamilyAdapter, prompt: Prompt, segments: list[Segment]) -> None:
+    """Gemma-3 attends within each image both ways: no segment may start inside an image."""
+    if not adapter.bidirectional_image_blocks or prompt.image_mask is None:
+        return
+    inside = prompt.image_mask[0]
+    for segment in segments[1:]:
+        if 0 < segment.start < prompt.length and bool(inside[segment.start - 1]) and bool(inside[segment.start]):
+            raise ValueError(
+                f"a prefill segment would start inside an image (token {segment.start}); {adapter.name} attends "
+                "within each image in both directions, so an image must stay in one segment"
+            )
 
 
 def prefill(adapter: FamilyAdapter, prompt: Prompt, cache, plan: PrefillPlan, clock=None, *, full_tail=1,
             start: int = 0, segments: list[Segment] | None = None) -> torch.Tensor:
     """Fill `cache` with prompt tokens [start, N) and return the logits of the first generated token (1, vocab).
 
-    `clock`, when given, is called with "prefill" when every segment but the last has run (POP: the pruned part)
-    and with "first_token" when the last segment and the logits are done.
+    `clock`, when given, is called with "prefill" when everything but the last piece of work has run (POP: the
+    kept layers over every prompt token and the KV projections) and with "first_token" when that last piece (POP:
+    the tail through the skipped layers) and the logits are done.
     """
     clock = clock or (lambda stage: None)
     segments = segments if segments is not None else plan_segments(plan, prompt, full_tail, start)
-    if adapter.bidirectional_image_blocks and prompt.image_mask is not None:
-        inside = prompt.image_mask[0]
-        for segment in segments[1:]:
-            if 0 < segment.start < prompt.length and bool(inside[segment.start - 1]) and bool(inside[segment.start]):
-                raise ValueError(
-                    f"a prefill segment would start inside an image (token {segment.start}); {adapter.name} attends "
-                    "within each image in both directions, so an image must stay in one segment"
-                )
-    for segment in segments[:-1]:
-        run_segment(adapter, prompt, cache, plan, segment)
-    if len(segments) == 1:
-        hidden = run_segment(adapter, prompt, cache, plan, segments[-1])
+    check_images_whole(adapter, prompt, segments)
+    *head, (segment, tail) = pair_tails(plan, segments)
+    for earlier, earlier_tail in head:
+        run_segment(adapter, prompt, cache, plan, earlier, earlier_tail)
+    if tail is not None:
+        hidden = run_segment(adapter, prompt, cache, plan, segment, tail, before_tail=lambda: clock("prefill"))
+    elif head:
         clock("prefill")
+        hidden = run_segment(adapter, prompt, cache, plan, segment)
     else:
+        hidden = run_segment(adapter, prompt, cache, plan, segment)
         clock("prefill")
-        hidden = run_segment(adapter, prompt, cache, plan, segments[-1])
     logits = adapter.logits(hidden[:, -1:])[:, -1]
     clock("first_token")
     return logits

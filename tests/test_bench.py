@@ -54,9 +54,11 @@ def test_flops_match_a_hand_count():
     attention = 4 * 8 * (1 + 2 + 3)  # q_dim 8, causal keys 1 + 2 + 3
     lm_head = 2 * 8 * 10
     assert prefill_flops(s, n, "full") == 4 * (n * linear + attention) + lm_head
-    # POP, k = 1: 3 layers over 2 tokens, K/V of 1 layer over 2 tokens, the last token through 4 layers (3 keys)
+    # POP, k = 1: 3 layers over all 3 tokens, K/V of 1 layer over 2 tokens, the last token through the 1 skipped
+    # layer (3 keys) — the same count as 3 layers over 2 tokens and the last token through all 4 layers
     kv = 2 * 2 * 8 * 4
-    pop = 3 * (2 * linear + 4 * 8 * (1 + 2)) + 1 * 2 * kv + 4 * (linear + 4 * 8 * 3) + lm_head
+    pop = 3 * (n * linear + attention) + 1 * 2 * kv + 1 * (linear + 4 * 8 * 3) + lm_head
+    assert pop == 3 * (2 * linear + 4 * 8 * (1 + 2)) + 1 * 2 * kv + 4 * (linear + 4 * 8 * 3) + lm_head
     assert prefill_flops(s, n, "pop", k=1) == pop
     assert prefill_flops(s, n, "static", k=1) == 3 * (n * linear + attention) + lm_head
 

@@ -8,7 +8,8 @@ from PIL import Image
 
 from pop_vlm import PopConfig
 from pop_vlm.chat import PrefixCache, cache_nbytes
-from pop_vlm.pop import Segment, boundary_step, make_plan, plan_segments, prefill, project_skipped_kv, pruned_prefill
+from pop_vlm.pop import (Segment, make_plan, plan_segments, prefill, project_skipped_kv, pruned_prefill,
+                         tail_through_skipped)
 
 from .conftest import QUESTION, image_for
 
@@ -45,11 +46,13 @@ def test_full_tail_one_is_the_papers_pop(pipelines, picture, name):
     plan = make_plan(adapter, "pop", PopConfig(prune_layers=2))
     segmented, _, prompt = first_logits(pipe, inputs, plan, full_tail=1)
     assert plan_segments(plan, prompt, 1) == [Segment(0, prompt.length - 1, False), Segment(prompt.length - 1, prompt.length, True)]
+    n = prompt.length
     with torch.inference_mode():  # the three pieces of the method, called one by one
         cache = adapter.new_cache()
-        hidden = pruned_prefill(adapter, prompt, cache, plan.kept, prompt.length - 1)
-        project_skipped_kv(adapter, prompt, cache, hidden, plan.pruned)
-        paper = boundary_step(adapter, prompt, cache, plan)
+        hidden = pruned_prefill(adapter, prompt, cache, plan.kept, n)  # x_N's kept-layer pass rides along
+        project_skipped_kv(adapter, prompt, cache, hidden[:, : n - 1], plan.pruned)
+        boundary = tail_through_skipped(adapter, prompt, cache, plan, hidden[:, n - 1:], n - 1)
+        paper = adapter.logits(boundary)[:, -1]
     torch.testing.assert_close(segmented, paper, rtol=0, atol=0)
 
 
