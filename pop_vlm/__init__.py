@@ -2,7 +2,7 @@
 from .config import MODES, PopConfig
 from .generate import Answer, SamplingParams, Timings
 from .importance import LayerImportance
-from .pipeline import Pipeline, answer, load
+from .pipeline import Pipeline, PreparedPrompt, answer, load
 
-__all__ = ["MODES", "Answer", "LayerImportance", "Pipeline", "PopConfig", "SamplingParams", "Timings", "answer", "load"]
+__all__ = ["MODES", "Answer", "LayerImportance", "Pipeline", "PopConfig", "PreparedPrompt", "SamplingParams", "Timings", "answer", "load"]
 __version__ = "0.1.0"

@@ -165,11 +165,14 @@ def generate_tokens(
     time_limit_s: float | None = None,
     cache=None,
     start: int = 0,
+    prompt: Prompt | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `result` collects tokens, scores, timings and the cache.
 
     With `time_limit_s`, decoding stops once that many seconds have passed (finish_reason "timeout"). With
-    `cache` holding the K/V of the prompt's first `start` tokens, only tokens [start, N) are prefilled.
+    `cache` holding the K/V of the prompt's first `start` tokens, only tokens [start, N) are prefilled. With
+    `prompt`, `inputs` already went through `adapter.encode` (the vision encoder): that work is not done again and
+    `result.timings.vision_s` is left as the caller set it.
     """
     check_max_new_tokens(max_new_tokens)
     sampling = sampling or SamplingParams()
@@ -188,14 +191,16 @@ def generate_tokens(
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
 
     with torch.inference_mode():
-        prompt = result.prompt = adapter.encode(inputs, start=start)
-        clock("vision")
+        if prompt is None:
+            prompt = adapter.encode(inputs, start=start)
+            clock("vision")
+            timings.vision_s = clock.stages["vision"]
+        result.prompt = prompt
         cache = result.cache = cache if cache is not None else adapter.new_cache()
         logits = prefill(adapter, prompt, cache, plan, clock, full_tail=(pop or PopConfig()).full_tail, start=start)
         token = sample_token(logits[0], sampling, generator)
     clock("first_token")
     timings.n_prompt_tokens = prompt.length
-    timings.vision_s = clock.stages.get("vision", 0.0)
     timings.prefill_s = clock.stages.get("prefill", 0.0)
     timings.first_token_s = clock.stages.get("first_token", 0.0)
     timings.ttft_s = timings.preprocess_s + timings.vision_s + timings.prefill_s + timings.first_token_s

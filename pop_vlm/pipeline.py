@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -10,7 +11,8 @@ import torch
 from .chat import Conversation, PrefixCache, image_fingerprint
 from .config import PopConfig, check_max_new_tokens, check_mode
 from .families import adapter_class_for, detect_family
-from .generate import Answer, GenerationResult, SamplingParams, Timings, generate_tokens
+from .families.base import Prompt
+from .generate import Answer, GenerationResult, SamplingParams, StageClock, Timings, generate_tokens
 from .images import fit_image, load_image
 from .pop import make_plan
 
@@ -87,6 +89,18 @@ def load_processor(path, architecture: str, trust_remote_code: bool = False):
     if architecture in VLM_ARCHITECTURES:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+@dataclass
+class PreparedPrompt:
+    """One request's inputs, built once and shared by several runs (full vs POP on the same image): the processor
+    ran once (`preprocess_s`); the vision encoder runs once, at the first run that needs it (`vision_s`), and every
+    later run starts its language-model stages from the same embedded prompt."""
+
+    inputs: dict
+    preprocess_s: float = 0.0
+    prompt: Prompt | None = None
+    vision_s: float = 0.0
 
 
 class Pipeline:
@@ -204,6 +218,51 @@ class Pipeline:
         inputs = self.build_chat_inputs(messages)
         return self._stream(inputs, mode, pop, preprocess_s=time.perf_counter() - start, **kwargs)
 
+    def prepare(self, image, question: str) -> PreparedPrompt:
+        """Build the inputs of (image, question) once, for several runs: `stream_prepared` / `answer_prepared` in
+        each mode then share the preprocessing and one vision-encoder pass, and report the same times for them."""
+        start = time.perf_counter()
+        inputs = self.build_inputs(image, question)
+        return PreparedPrompt(inputs, preprocess_s=time.perf_counter() - start)
+
+    def stream_prepared(self, prepared: PreparedPrompt, mode: str = "pop", pop: PopConfig | None = None,
+                        **kwargs) -> Iterator:
+        """`stream` for a `PreparedPrompt`: the vision encoder runs only if no earlier run of it has."""
+        return self._stream(prepared.inputs, mode, pop, preprocess_s=prepared.preprocess_s, prepared=prepared,
+                            **kwargs)
+
+    def answer_prepared(self, prepared: PreparedPrompt, mode: str = "pop", pop: PopConfig | None = None,
+                        **kwargs) -> Answer:
+        *_, answer = self.stream_prepared(prepared, mode=mode, pop=pop, **kwargs)
+        return answer
+
+    def _embedded(self, prepared: PreparedPrompt) -> Prompt:
+        """The prepared prompt through the vision encoder and the embedding, once."""
+        if prepared.prompt is None:
+            clock = StageClock(self.device)
+            with torch.inference_mode():
+                prepared.prompt = self.adapter.encode(prepared.inputs)
+            clock("vision")
+            prepared.vision_s = clock.stages["vision"]
+        return prepared.prompt
+
+    def warm_up(self, modes=("full", "pop"), max_new_tokens: int = 2) -> None:
+        """One short request of each mode, so that the first real request does not pay one-time costs (lazy
+        allocations, kernel selection, the fused KV weights of the default k)."""
+        image = None
+        if self.is_multimodal:
+            from PIL import Image
+
+            image = Image.new("RGB", (64, 64), (128, 128, 128))
+        prepared = self.prepare(image, "Hello")
+        for mode in modes:
+            try:
+                stream = self.stream_prepared(prepared, mode=mode, max_new_tokens=max_new_tokens)
+            except ValueError:  # the default k does not fit this model (its requests will say so): nothing to warm
+                continue
+            for _ in stream:
+                pass
+
     def generate(self, inputs: dict, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Answer:
         """Answer for a processor's output (already built inputs)."""
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -222,11 +281,12 @@ class Pipeline:
     def _stream(self, inputs, mode, pop, *, preprocess_s: float = 0.0, max_new_tokens: int = 128,
                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 seed: int | None = None, output_scores: bool = False, time_limit_s: float | None = None,
-                reuse_prefix: bool = False):
+                reuse_prefix: bool = False, prepared: PreparedPrompt | None = None):
         """Check everything that can be checked before any model work, then return the generator.
 
         With `reuse_prefix`, a cached conversation whose tokens begin this prompt (same images, mode and POP
-        settings) is continued: only the new tokens are prefilled, and this turn is cached in turn."""
+        settings) is continued: only the new tokens are prefilled, and this turn is cached in turn. With `prepared`,
+        the vision encoder's work is shared with the prepared prompt's other runs."""
         check_mode(mode)
         pop = pop if pop is not None else PopConfig()
         sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -239,23 +299,28 @@ class Pipeline:
                 f"context of {self.context_length} tokens"
             )
         key = None
+        if reuse_prefix and prepared is not None:
+            raise ValueError("a prepared prompt is not continued from a cached conversation: use one or the other")
         if reuse_prefix:
             key = (mode, plan.pruned, plan.kv_projection, plan.boundary, pop.full_tail, image_fingerprint(inputs))
         return self._generate_text(inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores,
-                                   time_limit_s, key)
+                                   time_limit_s, key, prepared)
 
     def _generate_text(self, inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores, time_limit_s,
-                       prefix_key):
+                       prefix_key, prepared=None):
         result = GenerationResult(timings=Timings(preprocess_s=preprocess_s))
         prompt_ids = inputs["input_ids"][0].tolist()
-        cache, start = None, 0
+        cache, start, prompt = None, 0, None
         if prefix_key is not None:
             cache, start = self.prefix_cache.take(prefix_key, prompt_ids) or (None, 0)
+        if prepared is not None:
+            prompt = self._embedded(prepared)
+            result.timings.vision_s = prepared.vision_s
         result.timings.n_cached_tokens = start
         tokens = generate_tokens(
             self.adapter, inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=self.eos_token_ids, output_scores=output_scores, result=result, auto_k=self.auto_k,
-            time_limit_s=time_limit_s, cache=cache, start=start,
+            time_limit_s=time_limit_s, cache=cache, start=start, prompt=prompt,
         )
         shown = ""
         for _ in tokens:
