@@ -79,6 +79,7 @@ class ModelManager:
                 return self._pipelines[name]
             try:
                 pipe = pop_vlm.load(name, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+                pipe.warm_up()  # so that the first comparison a user sees is not a cold start
             except Exception as err:  # noqa: BLE001 - any loading failure becomes a user-facing message
                 raise ModelError(f"cannot load model {name!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
             self._pipelines[name] = pipe

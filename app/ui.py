@@ -11,9 +11,6 @@ from pop_vlm import PopConfig, zoo
 from .charts import importance_chart, ttft_chart
 from .models import Busy, ModelError, ModelManager
 
-STAGES = (("preprocess", "preprocess_s"), ("vision", "vision_s"), ("prefill", "prefill_s"), ("first token", "first_token_s"))
-
-
 def uploaded_path(payload) -> str | None:
     """The file behind a raw image payload (handlers take payloads unprocessed, so that the library reads the
     file and an unreadable upload gets the library's clear message rather than a server error)."""
@@ -40,27 +37,57 @@ def parse_prune_layers(value):
     return int(number) if number.is_integer() else number
 
 
-def timing_markdown(answer) -> str:
+def lm_seconds(timings) -> float:
+    """What POP changes: the language model's prefill and first token."""
+    return timings.prefill_s + timings.first_token_s
+
+
+def shared_markdown(answer) -> str:
+    """The stages both sides share: one preprocessing and one vision-encoder pass of the same request."""
     t = answer.timings
-    stages = " · ".join(f"{label} {getattr(t, key) * 1e3:.1f}" for label, key in STAGES)
+    return (f"**Shared by both sides** (one pass, used by each): preprocess {t.preprocess_s * 1e3:.1f} ms · "
+            f"vision encoder {t.vision_s * 1e3:.1f} ms · {answer.n_prompt_tokens} prompt tokens "
+            f"({answer.n_image_tokens} image)")
+
+
+def timing_markdown(answer) -> str:
+    """One side's own stages: the language model's prefill and first token, then decode."""
+    t = answer.timings
     pruned = f" · prefill skips layers {answer.pruned_layers[0]}–{answer.pruned_layers[-1]}" if answer.pruned_layers else ""
-    return (f"**TTFT {t.ttft_s * 1e3:.1f} ms** ({stages} ms)  \n"
-            f"decode {t.decode_tokens_per_s:.1f} tok/s · {answer.n_prompt_tokens} prompt tokens "
-            f"({answer.n_image_tokens} image){pruned}")
+    return (f"**LM to first token {lm_seconds(t) * 1e3:.1f} ms** (prefill {t.prefill_s * 1e3:.1f} · first token "
+            f"{t.first_token_s * 1e3:.1f} ms) · TTFT {t.ttft_s * 1e3:.1f} ms  \n"
+            f"decode {t.decode_tokens_per_s:.1f} tok/s{pruned}")
 
 
-def speedup_markdown(results: dict) -> str:
+def speedups(full, pop) -> tuple[float | None, float | None]:
+    """(TTFT speedup, LM-only speedup) of POP over full, from their Timings."""
+    ttft = full.ttft_s / pop.ttft_s if pop.ttft_s > 0 else None
+    lm = lm_seconds(full) / lm_seconds(pop) if lm_seconds(pop) > 0 else None
+    return ttft, lm
+
+
+def speedup_markdown(results: dict, repeats: int = 1) -> str:
     if "full" not in results or "pop" not in results:
         return ""
-    full, pop = results["full"].timings, results["pop"].timings
-    ttft = full.ttft_s / pop.ttft_s if pop.ttft_s > 0 else float("nan")
-    prefill = full.prefill_s / (pop.prefill_s + pop.first_token_s) if pop.prefill_s > 0 else float("nan")
-    return f"## POP TTFT speedup ×{ttft:.2f}\nLM prefill + first token ×{prefill:.2f}"
+    ttft, lm = speedups(results["full"].timings, results["pop"].timings)
+    runs = f" · median of {repeats} runs of each side" if repeats > 1 else ""
+    return (f"## POP TTFT speedup ×{ttft:.2f}\n"
+            f"request to first token: the shared preprocessing and vision pass + each side's prefill and first token  \n"
+            f"**LM-only speedup ×{lm:.2f}** — prefill + first token, the part POP changes{runs}\n\n"
+            + shared_markdown(results["pop"]))
+
+
+def median_run(answers: list):
+    """The run whose LM time is the median (the lower middle one for an even count)."""
+    ranked = sorted(answers, key=lambda a: lm_seconds(a.timings))
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def comparison(manager: ModelManager, image, question, model, prune_layers, max_new_tokens, *,
-               kv_projection=True, boundary=True, with_static=False, pop_first=False):
-    """Run full and POP (and static) one after the other; yield (mode, text so far, Answer or None)."""
+               kv_projection=True, boundary=True, with_static=False, pop_first=False, repeats: int = 1):
+    """Run full and POP (and static) on one prepared request — one preprocessing and one vision-encoder pass shared by
+    every side — and yield (mode, text so far, Answer or None). With `repeats` > 1 the sides' language-model stages
+    run that many times, interleaved in alternating order, and each side's median run (by LM time) comes last."""
     limits = manager.limits
     image = uploaded_path(image)
     if isinstance(image, str) and os.path.isfile(image) and os.path.getsize(image) == 0:
@@ -69,6 +96,8 @@ def comparison(manager: ModelManager, image, question, model, prune_layers, max_
         raise ValueError("The question is empty: please type a question.")
     question = limits.clean_question(question)
     max_new_tokens = limits.check_new_tokens(max_new_tokens)
+    if not isinstance(repeats, int) or not 1 <= repeats <= 5:
+        raise ValueError(f"repeats must be an integer from 1 to 5, got {repeats!r}")
     if isinstance(image, str) and os.path.isfile(image) and os.path.getsize(image) > limits.max_upload_bytes:
         raise ValueError(f"the image file is larger than {limits.max_upload_bytes // (1024 * 1024)} MB")
     pipe = manager.get(model)
@@ -78,17 +107,31 @@ def comparison(manager: ModelManager, image, question, model, prune_layers, max_
     modes = ["pop", "full"] if pop_first else ["full", "pop"]
     if with_static:
         modes.append("static")
-    streams = [(mode, pipe.stream(image, question, mode=mode, pop=pop, max_new_tokens=max_new_tokens,
-                                  time_limit_s=limits.request_timeout_s)) for mode in modes]  # all checks first
+    prepared = pipe.prepare(image, question)
+
+    def run(mode):
+        return pipe.stream_prepared(prepared, mode=mode, pop=pop, max_new_tokens=max_new_tokens,
+                                    time_limit_s=limits.request_timeout_s)
+
+    first_round = [(mode, run(mode)) for mode in modes]  # every check before any model work
+    answers: dict[str, list] = {mode: [] for mode in modes}
     with manager.admitted():
-        for mode, stream in streams:
-            text = ""
-            for piece in stream:
-                if isinstance(piece, str):
-                    text += piece
-                    yield mode, text, None
-                else:
-                    yield mode, piece.text, piece
+        for round_index in range(repeats):
+            order = modes if round_index % 2 == 0 else modes[::-1]
+            streams = first_round if round_index == 0 else [(mode, run(mode)) for mode in order]
+            for mode, stream in streams:
+                text = ""
+                for piece in stream:
+                    if isinstance(piece, str):
+                        text += piece
+                        yield mode, text, None
+                    else:
+                        answers[mode].append(piece)
+                        yield mode, piece.text, piece
+        if repeats > 1:
+            for mode in modes:
+                best = median_run(answers[mode])
+                yield mode, best.text, best
 
 
 def chat_turn(manager: ModelManager, image, question, model, mode, prune_layers, max_new_tokens, messages):
@@ -115,19 +158,35 @@ def chat_timing_markdown(answer) -> str:
 
 
 def compare_json(manager: ModelManager, image, question, model, prune_layers, max_new_tokens) -> dict:
-    """Both answers and both timing sets, as the `/compare` API returns them."""
+    """Both answers and both timing sets, as the `/compare` API returns them. Both sides report the same
+    `preprocess_s` and `vision_s` (one shared pass, also given as `shared`)."""
     results = {}
     for mode, _, answer in comparison(manager, image, question, model, prune_layers, max_new_tokens):
         if answer is not None:
-            results[mode] = answer.as_dict()
-    full, pop = results["full"]["timings"], results["pop"]["timings"]
+            results[mode] = answer
+    ttft, lm = speedups(results["full"].timings, results["pop"].timings)
+    shared = results["pop"].timings
     return {
         "model": model or manager.default,
         "question": question,
-        "full": results["full"],
-        "pop": results["pop"],
-        "ttft_speedup": full["ttft_s"] / pop["ttft_s"] if pop["ttft_s"] > 0 else None,
+        "shared": {"preprocess_s": shared.preprocess_s, "vision_s": shared.vision_s},
+        "full": results["full"].as_dict(),
+        "pop": results["pop"].as_dict(),
+        "ttft_speedup": ttft,
+        "lm_speedup": lm,
     }
+
+
+def default_depth(manager: ModelManager) -> int:
+    """The depth slider's first value: k = L/3 of the default model, from its config (the weights may still be
+    loading); 0 when the config cannot be read here."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(zoo.resolve(manager.check_name(None)))
+    except Exception:  # noqa: BLE001 - the slider is refitted once the model has loaded (on_model)
+        return 0
+    return PopConfig().num_pruned(getattr(config, "text_config", config).num_hidden_layers)
 
 
 def examples() -> list[list]:
@@ -154,9 +213,12 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
                                     info="bundled demo VLMs, gemma-3-270m (text only), a hub id or a local folder",
                                     elem_id="model")
                 with gr.Row():
-                    depth = gr.Slider(0, 64, value=0, step=1, label="POP depth k (layers skipped in prefill)", elem_id="depth")
+                    depth = gr.Slider(0, 64, value=default_depth(manager), step=1,
+                                      label="POP depth k (layers skipped in prefill)", elem_id="depth")
                     auto = gr.Checkbox(label="auto k", value=False)
                 max_new = gr.Slider(1, 256, value=32, step=1, label="max new tokens")
+                repeat = gr.Checkbox(label="repeat 3× and take the median (steadier timings)", value=False,
+                                     elem_id="repeat")
                 with gr.Accordion("Advanced", open=False):
                     no_kv = gr.Checkbox(label="ablation: no KV projection for skipped layers")
                     no_boundary = gr.Checkbox(label="ablation: no boundary step (first token from pruned stack)")
@@ -165,24 +227,24 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
                 if examples():
                     gr.Examples(examples(), inputs=[image, question])
             with gr.Column(scale=2):
-                speedup = gr.Markdown(elem_id="speedup")
+                speedup = gr.Markdown(label="speedup", elem_id="speedup")
                 with gr.Row():
                     with gr.Column():
                         gr.Markdown("### Full model")
-                        full_text = gr.Textbox(label="answer", lines=4, elem_id="full-answer")
-                        full_timing = gr.Markdown(elem_id="full-timing")
+                        full_text = gr.Textbox(label="full model's answer", lines=4, elem_id="full-answer")
+                        full_timing = gr.Markdown(label="full model's timings", elem_id="full-timing")
                     with gr.Column():
                         gr.Markdown("### POP")
-                        pop_text = gr.Textbox(label="answer", lines=4, elem_id="pop-answer")
-                        pop_timing = gr.Markdown(elem_id="pop-timing")
+                        pop_text = gr.Textbox(label="POP's answer", lines=4, elem_id="pop-answer")
+                        pop_timing = gr.Markdown(label="POP's timings", elem_id="pop-timing")
                     with gr.Column(visible=False) as static_column:
                         gr.Markdown("### Static removal")
-                        static_text = gr.Textbox(label="answer", lines=4, elem_id="static-answer")
-                        static_timing = gr.Markdown(elem_id="static-timing")
+                        static_text = gr.Textbox(label="static removal's answer", lines=4, elem_id="static-answer")
+                        static_timing = gr.Markdown(label="static removal's timings", elem_id="static-timing")
                 chart = gr.Plot(label="time to first token", elem_id="ttft-chart")
                 with gr.Accordion("Layer importance", open=True):
                     importance_plot = gr.Plot(label="prefill vs decode importance", elem_id="importance")
-                    importance_note = gr.Markdown()
+                    importance_note = gr.Markdown(label="importance profile")
                     compute = gr.Button("Compute importance for this model")
 
         with gr.Tab("Chat about an image"):
@@ -196,7 +258,7 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
                 with gr.Column(scale=2):
                     chatbot = gr.Chatbot(label="conversation", elem_id="chatbot", height=320)
                     chat_input = gr.Textbox(label="Question", elem_id="chat-question", placeholder="Ask about the image")
-                    chat_timing = gr.Markdown(elem_id="chat-timing")
+                    chat_timing = gr.Markdown(label="timings", elem_id="chat-timing")
             conversation = gr.State([])
 
         def on_chat(image, question, model, mode, k, use_auto, max_new, messages, shown):
@@ -236,19 +298,22 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
             slider = gr.update(maximum=layers - 1, value=value)
             return (slider, *show_importance(model, value, use_auto))
 
-        def on_run(image, question, model, k, use_auto, max_new, no_kv, no_boundary, with_static, history, turn):
+        def on_run(image, question, model, k, use_auto, max_new, no_kv, no_boundary, with_static, repeat, history,
+                   turn):
+            repeats = 3 if repeat else 1
             texts = {"full": "", "pop": "", "static": ""}
             timings = {"full": "", "pop": "", "static": ""}
             results = {}
 
             def frame(chart_fig=gr.skip()):
                 return (texts["full"], texts["pop"], texts["static"], timings["full"], timings["pop"], timings["static"],
-                        speedup_markdown(results), chart_fig, history, turn + 1, gr.update(visible=bool(with_static)))
+                        speedup_markdown(results, repeats), chart_fig, history, turn + 1,
+                        gr.update(visible=bool(with_static)))
 
             try:
                 for mode, text, answer in comparison(
                     manager, image, question, model, prune_value(k, use_auto), max_new, kv_projection=not no_kv,
-                    boundary=not no_boundary, with_static=with_static, pop_first=bool(turn % 2),
+                    boundary=not no_boundary, with_static=with_static, pop_first=bool(turn % 2), repeats=repeats,
                 ):
                     texts[mode] = text
                     if answer is not None:
@@ -262,7 +327,8 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
 
         outputs = [full_text, pop_text, static_text, full_timing, pop_timing, static_timing, speedup, chart, history,
                    turn, static_column]
-        run_inputs = [image, question, model, depth, auto, max_new, no_kv, no_boundary, with_static, history, turn]
+        run_inputs = [image, question, model, depth, auto, max_new, no_kv, no_boundary, with_static, repeat, history,
+                      turn]
         run.click(on_run, run_inputs, outputs, api_name="ask", concurrency_id="model", concurrency_limit=1,
                   preprocess=False)
         question.submit(on_run, run_inputs, outputs, api_visibility="private", concurrency_id="model",
@@ -301,8 +367,8 @@ def build_demo(manager: ModelManager) -> gr.Blocks:
                       concurrency_id="model", concurrency_limit=1)
 
         # `/compare`: the API form — (image, question, model, prune_layers, max_new_tokens) -> JSON
-        api_prune = gr.Textbox(visible=False)
-        api_result = gr.JSON(visible=False)
+        api_prune = gr.Textbox("", visible=False, label="prune_layers (k, a fraction of the layers, or auto; empty: L/3)")
+        api_result = gr.JSON(visible=False, label="comparison")
         api_button = gr.Button(visible=False)
 
         def on_compare(image, question, model, prune_layers, max_new_tokens):

@@ -59,6 +59,8 @@ def test_page_answers_both_ways_with_timings(page):
     assert page.input_value("#full-answer textarea").strip()
     assert page.input_value("#pop-answer textarea").strip()
     assert "prefill skips layers" in page.inner_text("#pop-timing")
+    headline = page.inner_text("#speedup")
+    assert "TTFT speedup" in headline and "LM-only speedup" in headline and "Shared by both sides" in headline
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "app.png"), full_page=True)
     assert (ARTIFACTS / "app.png").stat().st_size > 10_000

@@ -139,7 +139,12 @@ def test_gradio_compare_returns_both_answers_and_timings(server, image_path):
         assert result[mode]["token_ids"] and isinstance(result[mode]["text"], str)
         assert result[mode]["timings"]["ttft_s"] > 0
     assert result["pop"]["pruned_layers"] == [4, 5] and result["full"]["pruned_layers"] == []
-    assert result["ttft_speedup"] > 0
+    assert result["ttft_speedup"] > 0 and result["lm_speedup"] > 0
+    # one preprocessing and one vision pass, shared: both sides report the same measurement
+    full, pop = result["full"]["timings"], result["pop"]["timings"]
+    assert full["vision_s"] > 0 and full["preprocess_s"] > 0
+    assert (full["preprocess_s"], full["vision_s"]) == (pop["preprocess_s"], pop["vision_s"])
+    assert result["shared"] == {"preprocess_s": pop["preprocess_s"], "vision_s": pop["vision_s"]}
     with pytest.raises(Exception, match="question"):
         client.predict(handle_file(image_path), "  ", "", "2", 5, api_name="/compare")
     again = client.predict(None, QUESTION, "", "1", 3, api_name="/compare")
