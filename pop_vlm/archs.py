@@ -100,39 +100,6 @@ def text_config_dict(name: str) -> dict:
     return dict(spec.get("text_config") or spec["config"])
 
 
-# ---- scaling -------------------------------------------------------------------------------------------------
-def _width(value: int, scale: float, multiple: int = 32) -> int:
-    return max(multiple, int(round(value * scale / multiple)) * multiple)
-
-
-def _heads(heads: int, kv_heads: int, scale: float) -> tuple[int, int]:
-    """Scale the head counts with the width, keeping the grouped-query ratio while at least one KV head is left."""
-    group = heads // kv_heads
-    scaled = max(1, int(round(heads * scale)))
-    if scaled < group:  # too narrow for a whole group: one KV head shared by all query heads
-        return scaled, 1
-    kv = max(1, int(round(kv_heads * scale)))
-    return kv * group, kv
-
-
-def scale_text(cfg: dict, scale: float, vocab: int | None) -> dict:
-    cfg = copy.deepcopy(cfg)
-    if scale != 1.0:
-        heads, kv = _heads(cfg["num_attention_heads"], cfg["num_key_value_heads"], scale)
-        cfg["num_attention_heads"], cfg["num_key_value_heads"] = heads, kv
-        cfg["hidden_size"] = _width(cfg["hidden_size"], scale, multiple=max(32, heads))
-        cfg["intermediate_size"] = _width(cfg["intermediate_size"], scale)
-    if vocab:
-        cfg["vocab_size"] = int(vocab)
-    return cfg
-
-
-def _scale_vision_heads(hidden: int, heads: int, scale: float) -> tuple[int, int]:
-    head_dim = hidden // heads
-    new_heads = max(1, int(round(heads * scale)))
-    return new_heads * head_dim, new_heads
-
-
 @dataclass
 class Built:
     """A randomly initialised model of a real architecture, with what the benchmark needs to feed it."""
@@ -154,58 +121,24 @@ class Built:
 
 
 def make_config(name: str, scale: float = 1.0, vocab: int | None = None):
-    """The Hugging Face config of `name` at width `scale` (and vocabulary `vocab`, default the real one)."""
-    import transformers
+    """The Hugging Face config of `name` at width `scale` (and vocabulary `vocab`, default the real one), with the
+    special token ids the benchmark's prompts need; the family's adapter builds it."""
+    from .families import adapter_class_for
 
     if name not in ARCHS:
         raise ValueError(f"unknown architecture {name!r}; choose one of {', '.join(ARCHS)}")
     if not 0.0 < scale <= 1.0:
         raise ValueError(f"--scale must lie in (0, 1], got {scale}")
     spec = copy.deepcopy(ARCHS[name])
-    arch = spec["architecture"]
-    if arch == "LlamaForCausalLM":
-        cfg = scale_text(spec["config"], scale, vocab)
-        if vocab:
-            cfg["bos_token_id"], cfg["eos_token_id"] = cfg["vocab_size"] - 2, cfg["vocab_size"] - 1
-        return transformers.LlamaConfig(**cfg), {"bos": cfg["bos_token_id"]}
-    text = scale_text(spec["text_config"], scale, vocab)
-    v = text["vocab_size"]
-    vision = spec["vision_config"]
-    if arch == "Qwen3VLForConditionalGeneration":
-        if scale != 1.0:
-            vision["hidden_size"], vision["num_heads"] = _scale_vision_heads(vision["hidden_size"], vision["num_heads"], scale)
-            vision["intermediate_size"] = _width(vision["intermediate_size"], scale)
-        vision["out_hidden_size"] = text["hidden_size"]
-        ids = {k: spec[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-        if vocab:  # the special tokens move to the top of the shrunk vocabulary
-            ids = {k: v - 1 - i for i, k in enumerate(ids)}
-        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision,
-                                            tie_word_embeddings=text["tie_word_embeddings"], **ids)
-        return config, {"image": ids["image_token_id"], "vision_start": ids["vision_start_token_id"],
-                        "vision_end": ids["vision_end_token_id"]}
-    # Gemma-3
-    if scale != 1.0:
-        vision["hidden_size"], vision["num_attention_heads"] = _scale_vision_heads(
-            vision["hidden_size"], vision["num_attention_heads"], scale)
-        vision["intermediate_size"] = _width(vision["intermediate_size"], scale)
-    ids = {k: spec[k] for k in ("image_token_id", "boi_token_id", "eoi_token_id")}
-    if vocab:
-        ids = {k: v - 1 - i for i, k in enumerate(ids)}
-    pattern = text.pop("sliding_window_pattern")
-    text["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                           for i in range(text["num_hidden_layers"])]
-    config = transformers.Gemma3Config(
-        text_config=transformers.Gemma3TextConfig(**text).to_dict(),
-        vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
-        mm_tokens_per_image=spec["mm_tokens_per_image"], **ids,
-    )
-    return config, {"image": ids["image_token_id"], "boi": ids["boi_token_id"], "eoi": ids["eoi_token_id"], "bos": 2}
+    return adapter_class_for(spec["architecture"]).bench_config(spec, scale, vocab)
 
 
 def build(name: str, scale: float = 1.0, vocab: int | None = None, dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu", attn_implementation: str = "sdpa", seed: int = 0) -> Built:
     """`name` at width `scale` with random weights (the real class), on `device` in `dtype`, in eval mode."""
     import transformers
+
+    from .families import adapter_class_for
 
     config, special = make_config(name, scale, vocab)
     arch = ARCHS[name]["architecture"]
@@ -224,7 +157,7 @@ def build(name: str, scale: float = 1.0, vocab: int | None = None, dtype: torch.
     model = model.to(device=device, dtype=dtype).eval()
     text = getattr(config, "text_config", config)
     return Built(name=name, model=model, architecture=arch, special=special, vocab_size=text.vocab_size,
-                 is_multimodal=arch != "LlamaForCausalLM")
+                 is_multimodal=arch in adapter_class_for(arch).vlm_architectures)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from . import archs
 from .config import MODES, PopConfig
+from .families import adapter_class_for
 from .flops import DecoderShape, flop_limit, prefill_flops
 from .generate import GenerationResult, StageClock, Timings, generate_tokens
 
@@ -134,21 +135,8 @@ class Requests:
         self.device = device
         self.rng = np.random.default_rng(seed)
         self.vocab_text = built.vocab_size - 16  # the top ids of a shrunk vocabulary are special tokens
-        self.image_processor = None
-        if built.architecture == "Qwen3VLForConditionalGeneration":
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            vision = built.model.config.vision_config
-            self.image_processor = Qwen2VLImageProcessorPil(
-                patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                temporal_patch_size=vision.temporal_patch_size,
-                size={"shortest_edge": 65536, "longest_edge": 16777216},  # Qwen3-VL's preprocessor_config.json
-            )
-        elif built.architecture == "Gemma3ForConditionalGeneration":
-            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-            side = built.model.config.vision_config.image_size
-            self.image_processor = Gemma3ImageProcessorPil(size={"height": side, "width": side})
+        self.family = adapter_class_for(built.architecture)
+        self.image_processor = self.family.bench_image_processor(built.model) if built.is_multimodal else None
         self._images: dict[int, object] = {}
 
     def image(self, size: int):
@@ -166,19 +154,12 @@ class Requests:
         special, text = self.built.special, self.text_ids(max(2, point.text_tokens))
         head, tail = text[: len(text) // 2], text[len(text) // 2:]
         inputs: dict = {}
+        pixels = None
         if point.image_size and self.image_processor is not None:
             pixels = self.image_processor(images=[self.image(point.image_size)], return_tensors="pt")
-            if "image_grid_thw" in pixels:  # Qwen3-VL: one token per merged 2x2 patch group
-                grid = pixels["image_grid_thw"]
-                n_image = int(grid.prod()) // self.built.model.config.vision_config.spatial_merge_size ** 2
-                ids = head + [special["vision_start"]] + [special["image"]] * n_image + [special["vision_end"]] + tail
-                inputs["image_grid_thw"] = grid
-            else:  # Gemma-3: a fixed number of soft tokens per image
-                n_image = self.built.model.config.mm_tokens_per_image
-                ids = [special["bos"]] + head + [special["boi"]] + [special["image"]] * n_image + [special["eoi"]] + tail
+            inputs.update({k: v for k, v in pixels.items() if k != "pixel_values"})
             inputs["pixel_values"] = pixels["pixel_values"].to(dtype=self.built.model.dtype)
-        else:
-            ids = ([special["bos"]] if "bos" in special else []) + text
+        ids = self.family.bench_prompt_ids(self.built.model, special, head, tail, pixels)
         inputs["input_ids"] = torch.tensor([ids], dtype=torch.long)
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 

@@ -17,12 +17,13 @@ import torch
 DEFAULT_BUDGET_BYTES = int(os.environ.get("POP_VLM_PREFIX_CACHE_BYTES", 512 * 1024**2))
 
 
-def image_fingerprint(inputs: dict) -> str:
-    """A content hash of the prompt's images (their preprocessed pixels), '' for a text-only prompt."""
-    if not isinstance(inputs.get("pixel_values"), torch.Tensor):
+def image_fingerprint(inputs: dict, keys: tuple[str, ...] = ("pixel_values",)) -> str:
+    """A content hash of the prompt's images — the processor's tensors named by `keys` (the family adapter's
+    `image_input_keys`: preprocessed pixels, and for some families their grid) — '' for a text-only prompt."""
+    if not isinstance(inputs.get(keys[0]), torch.Tensor):
         return ""
     digest = hashlib.sha256()
-    for name in ("pixel_values", "image_grid_thw"):
+    for name in keys:
         value = inputs.get(name)
         if isinstance(value, torch.Tensor):
             digest.update(name.encode())

@@ -173,17 +173,6 @@ class LayerImportance:
 
 
 # ---- the virtual gates -------------------------------------------------------------------------------------------
-def branch_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules whose outputs are a decoder layer's residual branches.
-
-    Gemma's sandwich norms: the branch is the output of post_attention_layernorm / post_feedforward_layernorm.
-    Llama-style layers: the outputs of self_attn (its first element) and mlp.
-    """
-    if hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm"):
-        return [layer.post_attention_layernorm, layer.post_feedforward_layernorm]
-    return [layer.self_attn, layer.mlp]
-
-
 class VirtualGates:
     """Two scalar gates per layer (prefill positions, decode positions), applied by forward hooks.
 
@@ -214,7 +203,7 @@ class VirtualGates:
 
     def __enter__(self) -> "VirtualGates":
         for i, layer in enumerate(self.adapter.layers):
-            for module in branch_modules(layer):
+            for module in self.adapter.branch_modules(layer):
                 self._handles.append(module.register_forward_hook(self._hook(i)))
         return self
 

@@ -16,9 +16,6 @@ from .generate import Answer, GenerationResult, SamplingParams, StageClock, Timi
 from .images import fit_image, load_image
 from .pop import make_plan
 
-VLM_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
-
-
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,19 +35,6 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return names[dtype]
 
 
-def attention_implementation(device: torch.device, architecture: str) -> str:
-    """flash-attention-2 on CUDA when installed (not for Gemma-3 VLMs: it cannot keep their bidirectional image
-    block), else PyTorch's SDPA."""
-    if device.type == "cuda" and architecture != "Gemma3ForConditionalGeneration":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
 def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *, trust_remote_code: bool = False) -> "Pipeline":
     """Load a hub id, a local folder, or a zoo name (see `pop_vlm.zoo`) into a `Pipeline`."""
     import transformers
@@ -63,13 +47,13 @@ def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *
     torch_dtype = resolve_dtype(dtype, device)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
-    adapter_class_for(architecture)  # a clear error for unsupported models, before any weights load
+    family = adapter_class_for(architecture)  # a clear error for unsupported models, before any weights load
     model_class = getattr(transformers, architecture)
     model = model_class.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=attention_implementation(device, architecture),
+        path, dtype=torch_dtype, attn_implementation=family.attention_implementation(device, architecture),
         trust_remote_code=trust_remote_code, use_safetensors=True,
     ).to(device).eval()
-    processor = load_processor(path, architecture, trust_remote_code=trust_remote_code)
+    processor = family.load_processor(path, architecture, trust_remote_code=trust_remote_code)
     pipe = Pipeline(model, processor, name=name_or_path)
     profile = os.path.join(path, "importance.json")
     if os.path.isfile(profile):  # a shipped importance profile makes prune_layers="auto" work at once
@@ -77,18 +61,6 @@ def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *
 
         pipe.auto_k = LayerImportance.from_json(profile).auto_k()
     return pipe
-
-
-def load_processor(path, architecture: str, trust_remote_code: bool = False):
-    from transformers import AutoProcessor, AutoTokenizer
-
-    if architecture == "Qwen3VLForConditionalGeneration":
-        from .processors import load_qwen3_vl_processor
-
-        return load_qwen3_vl_processor(path)
-    if architecture in VLM_ARCHITECTURES:
-        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 @dataclass
@@ -302,7 +274,7 @@ class Pipeline:
         if reuse_prefix and prepared is not None:
             raise ValueError("a prepared prompt is not continued from a cached conversation: use one or the other")
         if reuse_prefix:
-            key = (mode, plan.pruned, plan.kv_projection, plan.boundary, pop.full_tail, image_fingerprint(inputs))
+            key = (mode, plan.pruned, plan.kv_projection, plan.boundary, pop.full_tail, image_fingerprint(inputs, self.adapter.image_input_keys))
         return self._generate_text(inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores,
                                    time_limit_s, key, prepared)
 

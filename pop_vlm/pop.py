@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import PopConfig, check_full_tail, check_mode
-from .families.base import FamilyAdapter, Prompt, apply_rope, norm_eps
+from .families.base import FamilyAdapter, Prompt
 
 
 @dataclass(frozen=True)
@@ -75,63 +75,6 @@ def project_skipped_kv(adapter: FamilyAdapter, prompt: Prompt, cache, hidden, sk
     else:
         for layer in skipped:
             cache.update(*adapter.project_kv(layer, hidden, rope), layer)
-
-
-class FusedKVProjection:
-    """K/V of several layers from one hidden state in a single GEMM.
-
-    Every skipped layer normalises the same h, so 1/rms(h) is computed once and each layer's norm weight is
-    folded into its W_K and W_V rows: [W_K·diag(w_l); W_V·diag(w_l)] stacked over the layers. k_norm is then a
-    batched RMSNorm over the head dimension, and RoPE is applied per layer type.
-    """
-
-    def __init__(self, adapter: FamilyAdapter, layer_ids: tuple[int, ...]):
-        self.layer_ids = layer_ids
-        first = adapter.layers[layer_ids[0]].self_attn
-        self.head_dim = first.head_dim
-        self.num_kv_heads = first.k_proj.out_features // self.head_dim
-        offset = adapter.norm_weight_offset
-        eps = {norm_eps(adapter.input_norm(i)) for i in layer_ids}
-        if len(eps) != 1:
-            raise ValueError(f"the skipped layers' input norms disagree on epsilon ({sorted(eps)}); use fused=False")
-        self.eps = eps.pop()
-        rows, biases = [], []
-        with torch.no_grad():
-            for i in layer_ids:
-                attn = adapter.layers[i].self_attn
-                scale = adapter.input_norm(i).weight.float() + offset
-                for proj in (attn.k_proj, attn.v_proj):
-                    rows.append((proj.weight.float() * scale[None, :]).to(proj.weight.dtype))
-                    biases.append(proj.bias)
-            self.weight = torch.cat(rows, dim=0).contiguous()
-            self.bias = None if biases[0] is None else torch.cat(biases, dim=0).contiguous()
-            k_norms = [adapter.k_norm(i) for i in layer_ids]
-            if any(n is None for n in k_norms):
-                self.k_norm_weight = None
-            else:
-                self.k_norm_weight = torch.stack([n.weight.float() + offset for n in k_norms])[:, None, :]
-                self.k_norm_eps = norm_eps(k_norms[0])
-        self.types = [adapter.layer_types[i] for i in layer_ids]
-
-    @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, rope: dict):
-        """(layer, keys, values) for each skipped layer, keys and values (B, kv_heads, T, head_dim).
-
-        One GEMM gives every layer's K and V; k_norm and RoPE then run one layer at a time, so that only one
-        layer's temporaries exist besides the GEMM's output (no extra peak memory over the full model's prefill).
-        """
-        batch, length, _ = hidden.shape
-        h = hidden.float()
-        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(hidden.dtype)
-        out = torch.nn.functional.linear(normed, self.weight, self.bias)
-        out = out.view(batch, length, len(self.layer_ids), 2, self.num_kv_heads, self.head_dim)
-        for j, layer in enumerate(self.layer_ids):
-            keys, values = out[:, :, j, 0], out[:, :, j, 1]  # (B, T, H, D)
-            if self.k_norm_weight is not None:
-                kf = keys.float()
-                keys = (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + self.k_norm_eps) * self.k_norm_weight[j]).to(hidden.dtype)
-            cos, sin = rope[self.types[j]]
-            yield layer, apply_rope(keys.transpose(1, 2), cos, sin), values.transpose(1, 2)
 
 
 # ---- 3. the tail through the skipped layers ---------------------------------------------------------------------

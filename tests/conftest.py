@@ -10,7 +10,7 @@ from pop_vlm import Pipeline, zoo
 
 torch.set_num_threads(1)
 
-FAMILIES = ["tiny-qwen3-vl", "tiny-gemma3-vlm", "tiny-gemma3-text", "tiny-llama", "tiny-qwen3"]
+FAMILIES = list(zoo.TINY)  # every family's tiny models (each adapter names its own)
 QUESTION = "What is in the picture? Describe it to me please, with the colour and the shape"
 
 

@@ -1,10 +1,16 @@
-"""What a model-family adapter provides to the engine.
+"""What a model-family adapter provides to the engine and to the rest of the library.
 
 The engine never calls a Hugging Face model's `forward`. It drives the decoder layers itself, one stage at a
 time, and asks the family adapter for the family-specific parts: how a prompt is embedded (vision tower
 included), how positions and rotary embeddings are laid out, which attention mask each layer needs, what is
 added after a layer (Qwen3-VL's deepstack), and how a layer's K/V projection looks. The decoder layers, the
 caches and the mask builders are transformers' own, so `mode="full"` is the plain model.
+
+Everything else that is specific to a family is asked of its adapter too, so that adding a family touches its file
+and the registry line in `families/__init__.py` (and, for the benchmark, its published config in `archs.py`):
+which architectures it accepts and which of them take images, how its processor is loaded, which attention
+implementation it runs, which tensors identify a prompt's images, which modules carry a layer's residual branches
+(the importance gates), how the benchmark builds its config and inputs, and its tiny random test models.
 """
 from __future__ import annotations
 
@@ -14,6 +20,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from ..cache import PreallocatedCache
+from ..numerics import FusedKVProjection, apply_rope
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -38,22 +47,15 @@ class Prompt:
         return 0 if self.image_mask is None else int(self.image_mask.sum())
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as the supported families apply it; x is (..., B, H, T, D), cos/sin are (B, T, D)."""
-    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
-    return x * cos + rotate_half(x) * sin
-
-
 class FamilyAdapter:
     """Base adapter: Llama-style decoders need nothing more than this."""
 
     name = "base"
     architectures: tuple[str, ...] = ()
+    #: the architectures of this family that take images (their processor is an AutoProcessor)
+    vlm_architectures: tuple[str, ...] = ()
+    #: the processor's tensors that identify a prompt's images (the prefix cache's key)
+    image_input_keys: tuple[str, ...] = ("pixel_values",)
     #: RMSNorm multiplies by (offset + weight): 0 for Llama/Qwen, 1 for Gemma.
     norm_weight_offset = 0.0
     #: image tokens attend to their whole image, both ways (Gemma-3): a prefill segment must not split an image
@@ -67,7 +69,48 @@ class FamilyAdapter:
         self.num_layers = len(self.layers)
         layer_types = getattr(self.config, "layer_types", None)
         self.layer_types: list[str] = list(layer_types) if layer_types else [FULL] * self.num_layers
-        self._fused_kv: dict[tuple[int, ...], "FusedKVProjection"] = {}
+        self._fused_kv: dict[tuple[int, ...], FusedKVProjection] = {}
+
+    # ---- before a model exists: loading, benchmark inputs, tiny test models ---------------------------------
+    @classmethod
+    def attention_implementation(cls, device: torch.device, architecture: str) -> str:
+        """flash-attention-2 on CUDA when installed, else PyTorch's SDPA."""
+        if device.type == "cuda":
+            try:
+                import flash_attn  # noqa: F401
+
+                return "flash_attention_2"
+            except ImportError:
+                pass
+        return "sdpa"
+
+    @classmethod
+    def load_processor(cls, path, architecture: str, trust_remote_code: bool = False):
+        """The processor of a VLM, the tokenizer of a text model."""
+        from transformers import AutoProcessor, AutoTokenizer
+
+        loader = AutoProcessor if architecture in cls.vlm_architectures else AutoTokenizer
+        return loader.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+    @classmethod
+    def bench_config(cls, spec: dict, scale: float, vocab: int | None):
+        """(Hugging Face config, special token ids) of a published architecture (`archs.py`) at width `scale`."""
+        raise NotImplementedError(f"{cls.name} has no benchmark config builder")
+
+    @classmethod
+    def bench_image_processor(cls, model):
+        """The image processor the benchmark feeds this model's images through (None: text only)."""
+        return None
+
+    @classmethod
+    def bench_prompt_ids(cls, model, special: dict, head: list[int], tail: list[int], pixels: dict | None) -> list[int]:
+        """Token ids of a benchmark prompt: text `head`, the image's tokens when `pixels` is given, text `tail`."""
+        return ([special["bos"]] if "bos" in special else []) + head + tail
+
+    @classmethod
+    def tiny_models(cls) -> dict:
+        """Tiny random models of this family's real classes: name -> builder returning (model, processor)."""
+        return {}
 
     # ---- what every family answers -------------------------------------------------------------------------
     def _find_decoder(self, model: nn.Module) -> nn.Module:
@@ -88,8 +131,6 @@ class FamilyAdapter:
 
     def new_cache(self) -> DynamicCache:
         """A `DynamicCache` whose full-attention layers write into preallocated storage (no torch.cat growth)."""
-        from ..cache import PreallocatedCache
-
         return PreallocatedCache(config=self.config)
 
     def encode(self, inputs: dict, start: int = 0) -> Prompt:
@@ -169,6 +210,11 @@ class FamilyAdapter:
             hidden = self.after_layer(i, hidden, prompt, span)
         return hidden
 
+    def branch_modules(self, layer: nn.Module) -> list[nn.Module]:
+        """The modules whose outputs are a decoder layer's residual branches (the importance gates' places):
+        the outputs of self_attn (its first element) and mlp."""
+        return [layer.self_attn, layer.mlp]
+
     # ---- K/V projection of a layer (POP's independent KV) -------------------------------------------------
     def input_norm(self, index: int) -> nn.Module:
         return self.layers[index].input_layernorm
@@ -190,20 +236,11 @@ class FamilyAdapter:
         cos, sin = rope[self.layer_types[index]]
         return apply_rope(keys, cos, sin), values
 
-    def fused_kv(self, layer_ids: tuple[int, ...]) -> "FusedKVProjection":
+    def fused_kv(self, layer_ids: tuple[int, ...]) -> FusedKVProjection:
         """The fused projection for this set of skipped layers, built once and kept."""
         if layer_ids not in self._fused_kv:
-            from ..pop import FusedKVProjection
-
             self._fused_kv[layer_ids] = FusedKVProjection(self, layer_ids)
         return self._fused_kv[layer_ids]
-
-
-def norm_eps(norm: nn.Module) -> float:
-    for name in ("variance_epsilon", "eps"):
-        if hasattr(norm, name):
-            return float(getattr(norm, name))
-    raise TypeError(f"cannot read the epsilon of {type(norm).__name__}")
 
 
 def _single_sequence(inputs: dict) -> torch.Tensor:
@@ -213,3 +250,12 @@ def _single_sequence(inputs: dict) -> torch.Tensor:
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
     return input_ids
+
+
+def randomise_norms(model: nn.Module, scale: float = 0.3, offset: float = 0.0) -> None:
+    """Tiny test models: random RMSNorm weights (offset + N(0, scale)), so that tests see each norm's effect
+    (Gemma initialises its (1 + w) weights to zero, Llama its w to one)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and param.ndim == 1:
+                param.normal_(0.0, scale).add_(offset)

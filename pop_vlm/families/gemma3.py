@@ -5,14 +5,73 @@ from __future__ import annotations
 import torch
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
-from .base import FamilyAdapter, Prompt, _single_sequence
+from ..offline_tokenizers import GEMMA_CHAT_TEMPLATE, word_tokenizer
+from ..scaling import scale_text, scale_vision_heads, scale_width
+from .base import FamilyAdapter, Prompt, _single_sequence, randomise_norms
+
+VLM = "Gemma3ForConditionalGeneration"
+SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
 
 class Gemma3Adapter(FamilyAdapter):
     name = "gemma-3"
-    architectures = ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM")
+    architectures = (VLM, "Gemma3ForCausalLM")
+    vlm_architectures = (VLM,)
     norm_weight_offset = 1.0
     bidirectional_image_blocks = True
+
+    # ---- before a model exists ------------------------------------------------------------------------------
+    @classmethod
+    def attention_implementation(cls, device, architecture: str) -> str:
+        if architecture == VLM:
+            return "sdpa"  # flash-attention cannot keep the bidirectional attention within an image
+        return super().attention_implementation(device, architecture)
+
+    @classmethod
+    def bench_config(cls, spec: dict, scale: float, vocab: int | None):
+        import transformers
+
+        text = scale_text(spec["text_config"], scale, vocab)
+        vision = dict(spec["vision_config"])
+        if scale != 1.0:
+            vision["hidden_size"], vision["num_attention_heads"] = scale_vision_heads(
+                vision["hidden_size"], vision["num_attention_heads"], scale)
+            vision["intermediate_size"] = scale_width(vision["intermediate_size"], scale)
+        ids = {k: spec[k] for k in ("image_token_id", "boi_token_id", "eoi_token_id")}
+        if vocab:  # the special tokens move to the top of the shrunk vocabulary
+            ids = {k: text["vocab_size"] - 1 - i for i, k in enumerate(ids)}
+        pattern = text.pop("sliding_window_pattern")
+        text["layer_types"] = [SLIDING if (i + 1) % pattern else GLOBAL for i in range(text["num_hidden_layers"])]
+        config = transformers.Gemma3Config(
+            text_config=transformers.Gemma3TextConfig(**text).to_dict(),
+            vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
+            mm_tokens_per_image=spec["mm_tokens_per_image"], **ids,
+        )
+        return config, {"image": ids["image_token_id"], "boi": ids["boi_token_id"], "eoi": ids["eoi_token_id"], "bos": 2}
+
+    @classmethod
+    def bench_image_processor(cls, model):
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        side = model.config.vision_config.image_size
+        return Gemma3ImageProcessorPil(size={"height": side, "width": side})
+
+    @classmethod
+    def bench_prompt_ids(cls, model, special, head, tail, pixels):
+        if pixels is None:
+            return super().bench_prompt_ids(model, special, head, tail, pixels)
+        n_image = model.config.mm_tokens_per_image  # a fixed number of soft tokens per image
+        return [special["bos"]] + head + [special["boi"]] + [special["image"]] * n_image + [special["eoi"]] + tail
+
+    @classmethod
+    def tiny_models(cls) -> dict:
+        return {"tiny-gemma3-vlm": tiny_vlm, "tiny-gemma3-text": tiny_text_model}
+
+    # ---- the model ------------------------------------------------------------------------------------------
+    def branch_modules(self, layer):
+        """Gemma's sandwich norms: the branches are the outputs of post_attention_layernorm and
+        post_feedforward_layernorm."""
+        return [layer.post_attention_layernorm, layer.post_feedforward_layernorm]
 
     def _find_decoder(self, model):
         inner = model.model
@@ -66,3 +125,55 @@ class Gemma3Adapter(FamilyAdapter):
             block_sequence_ids=get_block_sequence_ids_for_mask(token_types, device=hidden.device),
         )
         return {i: by_type[self.layer_types[i]] for i in layer_ids}
+
+
+# ---- tiny models of the real classes --------------------------------------------------------------------------
+def _tiny_text_config(vocab_size: int, num_layers: int, sliding_window: int, **extra):
+    from transformers import Gemma3TextConfig
+
+    layer_types = [SLIDING if (i + 1) % 3 else GLOBAL for i in range(num_layers)]
+    return Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=sliding_window, layer_types=layer_types, max_position_embeddings=4096,
+        final_logit_softcapping=30.0, initializer_range=0.2, **extra,
+    )
+
+
+def tiny_text_model(num_layers: int = 6, seed: int = 0, sliding_window: int = 8):
+    """Gemma3ForCausalLM with random weights and a word-level tokenizer; returns (model, tokenizer)."""
+    from transformers import Gemma3ForCausalLM
+
+    tokenizer = word_tokenizer()
+    config = _tiny_text_config(len(tokenizer), num_layers, sliding_window, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    randomise_norms(model)
+    return model, tokenizer
+
+
+def tiny_vlm(num_layers: int = 6, seed: int = 0, sliding_window: int = 8, image_size: int = 32):
+    """Gemma3ForConditionalGeneration (SigLIP tower, 4 image tokens) with random weights; (model, processor)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    text = _tiny_text_config(len(tokenizer), num_layers, sliding_window, pad_token_id=tokenizer.pad_token_id)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=image_size, patch_size=8)
+    config = Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_id=tokenizer.image_token_id, boi_token_id=tokenizer.boi_token_id, eoi_token_id=tokenizer.eoi_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    randomise_norms(model)
+    with torch.no_grad():  # the projector starts at zero: a random start makes the image matter
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                chat_template=GEMMA_CHAT_TEMPLATE, image_seq_length=4)
+    return model, processor

@@ -3,12 +3,67 @@ from __future__ import annotations
 
 import torch
 
+from ..offline_tokenizers import QWEN3_VL_CHAT_TEMPLATE, qwen3_tokenizer
+from ..scaling import scale_text, scale_vision_heads, scale_width
 from .base import FamilyAdapter, Prompt, _single_sequence
+
+ARCHITECTURE = "Qwen3VLForConditionalGeneration"
+SPECIAL_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 class Qwen3VLAdapter(FamilyAdapter):
     name = "qwen3-vl"
-    architectures = ("Qwen3VLForConditionalGeneration",)
+    architectures = (ARCHITECTURE,)
+    vlm_architectures = (ARCHITECTURE,)
+    image_input_keys = ("pixel_values", "image_grid_thw")
+
+    # ---- before a model exists ------------------------------------------------------------------------------
+    @classmethod
+    def load_processor(cls, path, architecture: str, trust_remote_code: bool = False):
+        from ..processors import load_qwen3_vl_processor
+
+        return load_qwen3_vl_processor(path)
+
+    @classmethod
+    def bench_config(cls, spec: dict, scale: float, vocab: int | None):
+        import transformers
+
+        text = scale_text(spec["text_config"], scale, vocab)
+        vision = dict(spec["vision_config"])
+        if scale != 1.0:
+            vision["hidden_size"], vision["num_heads"] = scale_vision_heads(vision["hidden_size"], vision["num_heads"], scale)
+            vision["intermediate_size"] = scale_width(vision["intermediate_size"], scale)
+        vision["out_hidden_size"] = text["hidden_size"]
+        ids = {k: spec[k] for k in SPECIAL_IDS}
+        if vocab:  # the special tokens move to the top of the shrunk vocabulary
+            ids = {k: text["vocab_size"] - 1 - i for i, k in enumerate(ids)}
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision,
+                                            tie_word_embeddings=text["tie_word_embeddings"], **ids)
+        return config, {"image": ids["image_token_id"], "vision_start": ids["vision_start_token_id"],
+                        "vision_end": ids["vision_end_token_id"]}
+
+    @classmethod
+    def bench_image_processor(cls, model):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        vision = model.config.vision_config
+        return Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            size={"shortest_edge": 65536, "longest_edge": 16777216},  # Qwen3-VL's preprocessor_config.json
+        )
+
+    @classmethod
+    def bench_prompt_ids(cls, model, special, head, tail, pixels):
+        if pixels is None:
+            return head + tail
+        # one token per merged 2x2 patch group
+        n_image = int(pixels["image_grid_thw"].prod()) // model.config.vision_config.spatial_merge_size ** 2
+        return head + [special["vision_start"]] + [special["image"]] * n_image + [special["vision_end"]] + tail
+
+    @classmethod
+    def tiny_models(cls) -> dict:
+        return {"tiny-qwen3-vl": tiny_model}
 
     def _find_decoder(self, model):
         return model.model.language_model
@@ -78,3 +133,40 @@ class Qwen3VLAdapter(FamilyAdapter):
         hidden = hidden.clone()
         hidden[mask] = hidden[mask] + deepstack[index][rows]
         return hidden
+
+
+def tiny_model(num_layers: int = 6, seed: int = 0, max_pixels: int = 64 * 64 * 4, deepstack: int = 2):
+    """Qwen3-VL with random weights and the real Qwen3 tokenizer; returns (model, processor)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..processors import ImageOnlyQwen3VLProcessor
+
+    tokenizer = qwen3_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True),
+            tie_word_embeddings=True, initializer_range=0.2,
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=list(range(deepstack)),
+            num_position_embeddings=64,
+        ),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = ids("<|im_end|>")
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": max_pixels},
+    )
+    processor = ImageOnlyQwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=QWEN3_VL_CHAT_TEMPLATE
+    )
+    return model, processor
