@@ -9,13 +9,10 @@ speedups are ratios of medians (and of minimums) measured in the same run.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import platform
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,101 +20,48 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import archs
+from . import archs, plots
 from .config import MODES, PopConfig
-from .families import adapter_class_for
+from .families import adapter_class_for, detect_family
 from .flops import DecoderShape, flop_limit, prefill_flops
-from .generate import GenerationResult, StageClock, Timings, generate_tokens
-
-DEFAULT_TOKENS = "32,128,512,1024,2048,4096"
-DEFAULT_IMAGE_SIZES = "448,896,1344,1792"
+from .generate import GenerationResult, Timings, generate_tokens
+from .memory import PeakWatcher, machine_description, tune_malloc
 
 
-# ---- allocator and memory ------------------------------------------------------------------------------------
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
+@dataclass
+class BenchConfig:
+    """One benchmark run; the command line's defaults are these."""
+
+    arch: str = "qwen3-vl-2b"
+    scale: float = 1.0  # width scale in (0, 1]: layers, layer types and head_dim are kept
+    tokens: tuple[int, ...] = (32, 128, 512, 1024, 2048, 4096)  # text prompt lengths
+    image_sizes: tuple[int, ...] = (448, 896, 1344, 1792)  # square image sides (VLMs), each with image_text_tokens
+    image_text_tokens: int = 64
+    modes: tuple[str, ...] = MODES
+    prune_layers: int | float | str = 1 / 3
+    repeats: int = 3
+    warmup: int = 1
+    threads: int | None = None  # torch threads (None: torch's choice)
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    vocab: int | str | None = "auto"  # auto: the real vocabulary at scale 1, 16384 entries when scaled
+    clock: str = "auto"  # cpu: the thread's CPU time (1-thread CPU runs); wall: wall clock (synchronised on CUDA)
+    malloc_tuning: bool = True
+
+    def resolved_clock(self, device: torch.device) -> str:
+        clock = self.clock
+        if clock == "auto":
+            clock = "cpu" if (device.type == "cpu" and torch.get_num_threads() == 1) else "wall"
+        if clock not in ("cpu", "wall"):
+            raise ValueError(f"--clock must be auto, cpu or wall, not {clock!r}")
+        if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+            raise ValueError("--clock cpu measures the calling thread: only for --device cpu --threads 1")
+        return clock
 
 
-def tune_malloc() -> bool:
-    """Keep freed memory in glibc's heap: no mmap/munmap and page faults for every large activation.
-
-    The same as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set high in the environment; without it the full
-    path pays page faults on every layer and looks slower than it is.
-    """
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1
-    return bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 40) == 1 and ok)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-class HostMemory:
-    """Bytes the process has allocated from glibc right now (in use, not resident): torch's CPU tensors live there."""
-
-    def __init__(self):
-        libc = _libc()
-        self.fn = getattr(libc, "mallinfo2", None) if libc is not None else None
-        if self.fn is not None:
-            self.fn.restype = _MallInfo2
-
-    @property
-    def available(self) -> bool:
-        return self.fn is not None
-
-    def in_use(self) -> int:
-        info = self.fn()
-        return int(info.uordblks + info.hblkhd)
-
-
-class PeakWatcher:
-    """Peak bytes in use above the level at start, during a block. CUDA: the allocator's own peak; CPU: glibc's
-    in-use bytes sampled every 0.2 ms by a thread (used on untimed runs only)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.host = HostMemory() if device.type != "cuda" else None
-        self.peak = 0
-        self.base = 0
-        self._stop = threading.Event()
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        elif self.host.available:
-            self.base = self.peak = self.host.in_use()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.host.in_use())
-            time.sleep(0.0002)
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        elif self.host.available:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self.host.in_use())
-        return False
-
-    @property
-    def delta(self) -> int:
-        return max(0, self.peak - self.base)
+def clock_timer(clock: str):
+    """The function that reads a clock named by `BenchConfig.resolved_clock`."""
+    return time.thread_time if clock == "cpu" else time.perf_counter
 
 
 # ---- synthetic requests --------------------------------------------------------------------------------------
@@ -184,39 +128,39 @@ class Samples:
         return min(self.values(name))
 
 
-def run_once(built: archs.Built, adapter, requests: Requests, point: Point, mode: str, pop: PopConfig) -> GenerationResult:
+def run_once(adapter, requests: Requests, point: Point, mode: str, pop: PopConfig, timer=time.perf_counter
+             ) -> GenerationResult:
     device = requests.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    timer = StageClock.timer
     start = timer()
     inputs = requests.make(point)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result = GenerationResult(timings=Timings(preprocess_s=timer() - start))
-    for _ in generate_tokens(adapter, inputs, mode=mode, pop=pop, max_new_tokens=1, result=result):
+    for _ in generate_tokens(adapter, inputs, mode=mode, pop=pop, max_new_tokens=1, result=result, timer=timer):
         pass
     return result
 
 
-def measure_point(built, adapter, requests, point: Point, modes, pop: PopConfig, repeats: int, warmup: int,
-                  log=None) -> dict[str, Samples]:
+def measure_point(adapter, requests, point: Point, modes, pop: PopConfig, repeats: int, warmup: int,
+                  timer=time.perf_counter, log=None) -> dict[str, Samples]:
     samples = {mode: Samples() for mode in modes}
     # Warm-up (fused K/V weights are built here, once per skipped-layer set), then one untimed pass per mode that
     # reads the peak memory (its sampling thread stays out of the timed runs).
     for _ in range(warmup):
         for mode in modes:
-            run_once(built, adapter, requests, point, mode, pop)
+            run_once(adapter, requests, point, mode, pop, timer)
     for mode in modes:
         with PeakWatcher(requests.device) as watch:
-            result = run_once(built, adapter, requests, point, mode, pop)
+            result = run_once(adapter, requests, point, mode, pop, timer)
         samples[mode].peak_bytes = watch.delta
         samples[mode].n_prompt_tokens = result.prompt.length
         samples[mode].n_image_tokens = result.prompt.n_image_tokens
     for r in range(repeats):
         order = list(modes[r % len(modes):]) + list(modes[: r % len(modes)])
         for mode in order:
-            result = run_once(built, adapter, requests, point, mode, pop)
+            result = run_once(adapter, requests, point, mode, pop, timer)
             samples[mode].timings.append(result.timings)
         if log:
             lm = "  ".join(f"{m} {samples[m].timings[-1].prefill_s + samples[m].timings[-1].first_token_s:.3f}s" for m in modes)
@@ -244,109 +188,87 @@ def resolve_vocab(vocab: str | int | None, scale: float) -> int | None:
     return int(vocab)
 
 
-def run_bench(arch: str = "qwen3-vl-2b", scale: float = 0.25, tokens=(512, 1024, 2048), image_sizes=(),
-              modes=MODES, prune_layers=1 / 3, repeats: int = 3, warmup: int = 1, threads: int | None = 1,
-              device: str = "auto", dtype: str = "auto", vocab="auto", image_text_tokens: int = 64,
-              malloc_tuning: bool = True, clock: str = "auto", log=None) -> dict:
-    from .families import detect_family
+def run_bench(config: BenchConfig | None = None, log=None) -> dict:
+    """Run the benchmark; returns {"meta": ..., "points": [one row per (point, mode)]}."""
+    config = config or BenchConfig()
+    log = log or (lambda msg: None)
     from .pipeline import resolve_device, resolve_dtype
 
-    log = log or (lambda msg: None)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    if threads:
-        torch.set_num_threads(int(threads))
-    if clock == "auto":
-        clock = "cpu" if (dev.type == "cpu" and torch.get_num_threads() == 1) else "wall"
-    if clock not in ("cpu", "wall"):
-        raise ValueError(f"--clock must be auto, cpu or wall, not {clock!r}")
-    if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
-        raise ValueError("--clock cpu measures the calling thread: only for --device cpu --threads 1")
-    previous_timer = StageClock.timer
-    StageClock.timer = staticmethod(time.thread_time if clock == "cpu" else time.perf_counter)
-    try:
-        return _run(arch, scale, tokens, image_sizes, modes, prune_layers, repeats, warmup, dev, torch_dtype, vocab,
-                    image_text_tokens, malloc_tuning, clock, log)
-    finally:
-        StageClock.timer = previous_timer
-
-
-def _run(arch, scale, tokens, image_sizes, modes, prune_layers, repeats, warmup, dev, torch_dtype, vocab,
-         image_text_tokens, malloc_tuning, clock, log) -> dict:
-    from .families import detect_family
-
-    tuned = tune_malloc() if (malloc_tuning and dev.type == "cpu") else False
-    torch.set_flush_denormal(True)
-    modes = [m for m in modes]
+    dev = resolve_device(config.device)
+    torch_dtype = resolve_dtype(config.dtype, dev)
+    if config.threads:
+        torch.set_num_threads(int(config.threads))
+    clock = config.resolved_clock(dev)
+    modes = list(config.modes)
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
     if "full" not in modes:
         modes = ["full", *modes]  # speedups are measured against full in the same run
-    vocab_size = resolve_vocab(vocab, scale)
+    tuned = tune_malloc() if (config.malloc_tuning and dev.type == "cpu") else False
+    torch.set_flush_denormal(True)
+    vocab_size = resolve_vocab(config.vocab, config.scale)
     start = time.perf_counter()
-    built = archs.build(arch, scale=scale, vocab=vocab_size, dtype=torch_dtype, device=dev)
-    log(f"built {arch} at scale {scale} ({archs.parameter_count(built.model) / 1e6:.1f} M parameters, "
+    built = archs.build(config.arch, scale=config.scale, vocab=vocab_size, dtype=torch_dtype, device=dev)
+    log(f"built {config.arch} at scale {config.scale} ({archs.parameter_count(built.model) / 1e6:.1f} M parameters, "
         f"{torch_dtype}, {dev}) in {time.perf_counter() - start:.1f}s")
     adapter = detect_family(built.model)
-    pop = PopConfig(prune_layers=prune_layers)
+    pop = PopConfig(prune_layers=config.prune_layers)
     k = pop.num_pruned(adapter.num_layers)
     shape = DecoderShape.from_config(built.model.config)
     requests = Requests(built, dev)
-
-    points = [Point(t) for t in tokens]
+    points = [Point(t) for t in config.tokens]
     if built.is_multimodal:
-        points += [Point(image_text_tokens, s) for s in image_sizes]
+        points += [Point(config.image_text_tokens, s) for s in config.image_sizes]
     rows = []
     for point in points:
         log(f"point: {point.text_tokens} text tokens" + (f", {point.image_size}px image" if point.image_size else ""))
-        samples = measure_point(built, adapter, requests, point, modes, pop, repeats, warmup, log)
-        full = samples["full"]
-        n = full.n_prompt_tokens
-        for mode in modes:
-            s = samples[mode]
-            limit = flop_limit(shape, n, mode, k)
-            speedup = full.median("lm_s") / s.median("lm_s")
-            rows.append({
-                "arch": arch, "tokens": n, "text_tokens": point.text_tokens, "image_size": point.image_size,
-                "vision_tokens": s.n_image_tokens, "mode": mode, "k": 0 if mode == "full" else k,
-                "preprocess_s": s.median("preprocess_s"), "vision_s": s.median("vision_s"),
-                "prefill_s": s.median("prefill_s"), "first_token_s": s.median("first_token_s"),
-                "lm_s": s.median("lm_s"), "lm_min_s": s.min("lm_s"),
-                "ttft_s": s.median("ttft_s"), "ttft_min_s": s.min("ttft_s"),
-                "speedup": speedup, "speedup_min": full.min("lm_s") / s.min("lm_s"),
-                "ttft_speedup": full.median("ttft_s") / s.median("ttft_s"),
-                "flop_limit": limit, "fraction_of_limit": speedup / limit,
-                "gflops": prefill_flops(shape, n, mode, k) / 1e9,
-                "peak_memory_bytes": s.peak_bytes, "repeats": len(s.timings),
-            })
+        samples = measure_point(adapter, requests, point, modes, pop, config.repeats, config.warmup,
+                                clock_timer(clock), log)
+        rows += point_rows(config.arch, point, samples, modes, shape, k)
     meta = {
-        "arch": arch, "hub_id": archs.ARCHS[arch]["hub_id"], "scale": scale, "num_layers": adapter.num_layers,
-        "prune_layers": k, "pruned": list(range(adapter.num_layers - k, adapter.num_layers)),
+        "arch": config.arch, "hub_id": archs.ARCHS[config.arch]["hub_id"], "scale": config.scale,
+        "num_layers": adapter.num_layers, "prune_layers": k,
+        "pruned": list(range(adapter.num_layers - k, adapter.num_layers)),
         "hidden": shape.hidden, "intermediate": shape.intermediate, "heads": shape.heads, "kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim, "vocab": shape.vocab, "vocab_shrunk": vocab_size is not None,
         "parameters": archs.parameter_count(built.model), "device": str(dev), "dtype": str(torch_dtype).split(".")[-1],
-        "threads": torch.get_num_threads(), "clock": clock, "repeats": repeats, "warmup": warmup, "malloc_tuned": tuned,
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "machine": machine_description(dev), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "threads": torch.get_num_threads(), "clock": clock, "repeats": config.repeats, "warmup": config.warmup,
+        "malloc_tuned": tuned, **environment(dev),
         "speedup": "median(full LM time) / median(mode LM time); LM time = prefill_s + first_token_s",
     }
     return {"meta": meta, "points": rows}
 
 
-def machine_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs"
+def environment(device: torch.device) -> dict:
+    """What a result was measured with: library versions, the machine, the date."""
+    return {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "machine": machine_description(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def point_rows(arch: str, point: Point, samples: dict[str, Samples], modes, shape: DecoderShape, k: int) -> list[dict]:
+    """One result row per mode of a measured point, with its speedups over full and its FLOP limit."""
+    full = samples["full"]
+    n = full.n_prompt_tokens
+    rows = []
+    for mode in modes:
+        s = samples[mode]
+        limit = flop_limit(shape, n, mode, k)
+        speedup = full.median("lm_s") / s.median("lm_s")
+        rows.append({
+            "arch": arch, "tokens": n, "text_tokens": point.text_tokens, "image_size": point.image_size,
+            "vision_tokens": s.n_image_tokens, "mode": mode, "k": 0 if mode == "full" else k,
+            "preprocess_s": s.median("preprocess_s"), "vision_s": s.median("vision_s"),
+            "prefill_s": s.median("prefill_s"), "first_token_s": s.median("first_token_s"),
+            "lm_s": s.median("lm_s"), "lm_min_s": s.min("lm_s"),
+            "ttft_s": s.median("ttft_s"), "ttft_min_s": s.min("ttft_s"),
+            "speedup": speedup, "speedup_min": full.min("lm_s") / s.min("lm_s"),
+            "ttft_speedup": full.median("ttft_s") / s.median("ttft_s"),
+            "flop_limit": limit, "fraction_of_limit": speedup / limit,
+            "gflops": prefill_flops(shape, n, mode, k) / 1e9,
+            "peak_memory_bytes": s.peak_bytes, "repeats": len(s.timings),
+        })
+    return rows
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
@@ -375,39 +297,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    meta = report["meta"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"pop": "tab:blue", "static": "tab:orange", "full": "tab:gray"}
-    for mode in ("pop", "static"):
-        text = sorted((r for r in report["points"] if r["mode"] == mode and not r["image_size"]), key=lambda r: r["tokens"])
-        image = sorted((r for r in report["points"] if r["mode"] == mode and r["image_size"]), key=lambda r: r["tokens"])
-        if not text and not image:
-            continue
-        if text:
-            ax.plot([r["tokens"] for r in text], [r["speedup"] for r in text], "o-", color=colors[mode], label=f"{mode}: measured (text)")
-            ax.plot([r["tokens"] for r in text], [r["flop_limit"] for r in text], "--", color=colors[mode], label=f"{mode}: FLOP limit")
-        if image:
-            ax.plot([r["tokens"] for r in image], [r["speedup"] for r in image], "s:", color=colors[mode],
-                    label=f"{mode}: measured (image + {image[0]['text_tokens']} text)")
-    ax.axhline(1.0, color=colors["full"], lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("LM prefill speedup over full")
-    ax.set_title(f"{meta['arch']} (scale {meta['scale']}, k={meta['prune_layers']}/{meta['num_layers']}, "
-                 f"{meta['dtype']}, {meta['device']})", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def write_outputs(report: dict, out: str | os.PathLike) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -416,7 +305,7 @@ def write_outputs(report: dict, out: str | os.PathLike) -> list[Path]:
     json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     png_path = out / f"{stem}.png"
-    plot(report, png_path)
+    plots.bench_speedups(report, png_path)
     return [json_path, png_path]
 
 
@@ -429,12 +318,14 @@ def summary_line(report: dict) -> str:
 
 def cmd_bench(args) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.quiet else None
-    report = run_bench(
-        arch=args.arch, scale=args.scale, tokens=parse_ints(args.tokens), image_sizes=parse_ints(args.image_sizes),
-        modes=[m for m in args.modes.split(",") if m], prune_layers=args.prune_layers, repeats=args.repeats,
+    config = BenchConfig(
+        arch=args.arch, scale=args.scale, tokens=tuple(parse_ints(args.tokens)),
+        image_sizes=tuple(parse_ints(args.image_sizes)), image_text_tokens=args.image_text_tokens,
+        modes=tuple(m for m in args.modes.split(",") if m), prune_layers=args.prune_layers, repeats=args.repeats,
         warmup=args.warmup, threads=args.threads, device=args.device, dtype=args.dtype, vocab=args.vocab,
-        image_text_tokens=args.image_text_tokens, malloc_tuning=not args.no_malloc_tuning, clock=args.clock, log=log,
+        clock=args.clock, malloc_tuning=not args.no_malloc_tuning,
     )
+    report = run_bench(config, log=log)
     if not args.json:
         print(format_table(report))
     if args.out:
@@ -445,23 +336,25 @@ def cmd_bench(args) -> int:
 
 
 def add_parser(sub, parse_prune_layers) -> None:
+    d = BenchConfig()
     bench = sub.add_parser("bench", help="TTFT benchmark: full vs POP vs static against the FLOP limit")
-    bench.add_argument("--arch", choices=list(archs.ARCHS), default="qwen3-vl-2b")
-    bench.add_argument("--scale", type=float, default=1.0, help="width scale in (0, 1] (layers and layer types kept)")
-    bench.add_argument("--tokens", default=DEFAULT_TOKENS, help="text prompt lengths, comma-separated")
-    bench.add_argument("--image-sizes", default=DEFAULT_IMAGE_SIZES,
+    bench.add_argument("--arch", choices=list(archs.ARCHS), default=d.arch)
+    bench.add_argument("--scale", type=float, default=d.scale, help="width scale in (0, 1] (layers and layer types kept)")
+    bench.add_argument("--tokens", default=",".join(map(str, d.tokens)), help="text prompt lengths, comma-separated")
+    bench.add_argument("--image-sizes", default=",".join(map(str, d.image_sizes)),
                        help="square image sides in pixels (VLMs; each with --image-text-tokens text tokens); '' for none")
-    bench.add_argument("--image-text-tokens", type=int, default=64)
-    bench.add_argument("--modes", default=",".join(MODES))
-    bench.add_argument("--prune-layers", type=parse_prune_layers, default=1 / 3, help="k or a fraction of L (default L/3)")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    bench.add_argument("--vocab", default="auto",
+    bench.add_argument("--image-text-tokens", type=int, default=d.image_text_tokens)
+    bench.add_argument("--modes", default=",".join(d.modes))
+    bench.add_argument("--prune-layers", type=parse_prune_layers, default=d.prune_layers,
+                       help="k or a fraction of L (default L/3)")
+    bench.add_argument("--repeats", type=int, default=d.repeats)
+    bench.add_argument("--warmup", type=int, default=d.warmup)
+    bench.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: torch's choice)")
+    bench.add_argument("--device", default=d.device)
+    bench.add_argument("--dtype", default=d.dtype, help="auto: bf16 on CUDA, fp32 on CPU")
+    bench.add_argument("--vocab", default=d.vocab,
                        help="vocabulary size: auto (real at scale 1, 16384 when scaled), real, or a number")
-    bench.add_argument("--clock", default="auto", choices=["auto", "cpu", "wall"],
+    bench.add_argument("--clock", default=d.clock, choices=["auto", "cpu", "wall"],
                        help="cpu: the thread's CPU time (default for 1-thread CPU runs: immune to time-slicing by other "
                             "processes); wall: wall clock (default otherwise, and on CUDA, with synchronisation)")
     bench.add_argument("--out", help="folder for the JSON report and the PNG plot")

@@ -116,6 +116,8 @@ def cmd_importance(args) -> int:
     """Per-stage virtual-gate importance and Block Influence: importance.json and importance.png in --out."""
     from pathlib import Path
 
+    from . import plots
+
     pipe = _load_for_study(args)
     profile = pipe.importance(n_prompts=args.prompts, samples_per_prompt=args.samples_per_prompt,
                               prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens, seed=args.seed,
@@ -123,7 +125,7 @@ def cmd_importance(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile.to_json(out / "importance.json")
-    profile.plot(out / "importance.png")
+    plots.importance_profile(profile, out / "importance.png")
     print(f"{'layer':>5}{'prefill':>12}{'decode':>12}{'BI':>8}")
     for row in profile.as_table():
         print(f"{row['layer']:>5}{row['prefill_share']:>12.4f}{row['decode_share']:>12.4f}{row['block_influence']:>8.3f}")

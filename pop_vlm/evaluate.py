@@ -25,6 +25,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from . import plots
 from .config import PopConfig
 from .families.base import FamilyAdapter
 from .generate import decode_one_token, generate_tokens
@@ -36,21 +37,33 @@ VARIANTS = ("full", "pop", "static", "pop-no-kv", "pop-no-boundary", "pop-auto")
 
 @dataclass(frozen=True)
 class Variant:
+    """A way to run the model: a name of `VARIANTS` at depth k (and, for POP, a full tail of `full_tail` tokens)."""
+
     name: str
     k: int
+    full_tail: int | str = 1
 
     @property
     def label(self) -> str:
-        return self.name if self.name == "full" else f"{self.name}@{self.k}"
+        if self.name == "full":
+            return "full"
+        return f"{self.name}@{self.k}" + (f"+tail{self.full_tail}" if self.full_tail != 1 else "")
+
+    @property
+    def mode(self) -> str:
+        return self.name if self.name in ("full", "static") else "pop"
+
+    @property
+    def pop(self) -> PopConfig | None:
+        """The `PopConfig` of this variant (None for full): the one place a variant's name becomes settings."""
+        if self.name == "full":
+            return None
+        return PopConfig(prune_layers=self.k, kv_projection=self.name != "pop-no-kv",
+                         boundary=self.name != "pop-no-boundary", full_tail=self.full_tail)
 
 
 def variant_plan(adapter: FamilyAdapter, variant: Variant) -> PrefillPlan:
-    if variant.name == "full":
-        return make_plan(adapter, "full")
-    mode = "static" if variant.name == "static" else "pop"
-    pop = PopConfig(prune_layers=variant.k, kv_projection=variant.name != "pop-no-kv",
-                    boundary=variant.name != "pop-no-boundary")
-    return make_plan(adapter, mode, pop)
+    return make_plan(adapter, variant.mode, variant.pop)
 
 
 def variants_for(ks: Sequence[int], names: Sequence[str] = VARIANTS, auto_k: int | None = None) -> list[Variant]:
@@ -85,9 +98,9 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tenso
 
 
 def fidelity(pipe, variants: Sequence[Variant], *, n_prompts: int = 8, prompt_tokens: int = 256,
-             continuation: int = 32, seed: int = 0, progress: bool = False, full_tail=1) -> dict:
-    """Teacher-forced next-token agreement and KL against the full model's greedy continuation. `full_tail`
-    (`PopConfig.full_tail`) applies to every pruned variant."""
+             continuation: int = 32, seed: int = 0, progress: bool = False) -> dict:
+    """Teacher-forced next-token agreement and KL against the full model's greedy continuation (each variant with
+    its own `full_tail`)."""
     from tqdm.auto import tqdm
 
     adapter = pipe.adapter
@@ -105,7 +118,8 @@ def fidelity(pipe, variants: Sequence[Variant], *, n_prompts: int = 8, prompt_to
         for variant in variants:
             if variant.name == "full":
                 continue
-            logits = forced_logits(adapter, inputs, variant_plan(adapter, variant), result_tokens, full_tail=full_tail)
+            logits = forced_logits(adapter, inputs, variant_plan(adapter, variant), result_tokens,
+                                   full_tail=variant.full_tail)
             kl = kl_divergence(reference, logits).clamp_min(0.0)
             hit = (logits.argmax(-1).cpu() == target).float()
             s = stats[variant.label]
@@ -158,10 +172,7 @@ def passkey(pipe, variants: Sequence[Variant], *, lengths: Sequence[int] = (256,
         inputs = pipe.build_inputs(None, text)
         actual[n].append(int(inputs["input_ids"].shape[1]))
         for variant in variants:
-            mode = "full" if variant.name == "full" else ("static" if variant.name == "static" else "pop")
-            pop = None if variant.name == "full" else PopConfig(
-                prune_layers=variant.k, kv_projection=variant.name != "pop-no-kv", boundary=variant.name != "pop-no-boundary")
-            answer = pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens)
+            answer = pipe.generate(inputs, mode=variant.mode, pop=variant.pop, max_new_tokens=max_new_tokens)
             hits[variant.label][n].append(key in answer.text)
             bar.update()
     bar.close()
@@ -195,10 +206,7 @@ def image_qa_accuracy(pipe, samples: Iterable, variants: Sequence[Variant], *, m
     for image, question, expected in samples:
         inputs = pipe.build_inputs(image, question)
         for variant in variants:
-            mode = "full" if variant.name == "full" else ("static" if variant.name == "static" else "pop")
-            pop = None if variant.name == "full" else PopConfig(
-                prune_layers=variant.k, kv_projection=variant.name != "pop-no-kv", boundary=variant.name != "pop-no-boundary")
-            text = pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens).text
+            text = pipe.generate(inputs, mode=variant.mode, pop=variant.pop, max_new_tokens=max_new_tokens).text
             hits[variant.label].append(normalise(expected) in normalise(text))
             bar.update()
     bar.close()
@@ -258,55 +266,6 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_quality(results: dict, path) -> None:
-    """Agreement and mean KL against k for pop, static and the ablations (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fid = results["fidelity"]
-    ks = results["ks"]
-    fig, axes = plt.subplots(1, 3 if "passkey" in results else 2, figsize=(13 if "passkey" in results else 9, 3.8))
-    styles = {"pop": ("#4C72B0", "o-"), "static": ("#C44E52", "s-"), "pop-no-kv": ("#8172B2", "^--"),
-              "pop-no-boundary": ("#937860", "v--")}
-    for name, (color, style) in styles.items():
-        labels = [f"{name}@{k}" for k in ks]
-        if not all(label in fid for label in labels):
-            continue
-        axes[0].plot(ks, [fid[label]["agreement"] for label in labels], style, color=color, label=name)
-        axes[1].plot(ks, [fid[label]["kl_mean"] for label in labels], style, color=color, label=name)
-    auto = [label for label in fid if label.startswith("pop-auto@")]
-    for label in auto:
-        k = int(label.split("@")[1])
-        axes[0].plot([k], [fid[label]["agreement"]], "*", color="k", ms=12, label="pop auto")
-        axes[1].plot([k], [fid[label]["kl_mean"]], "*", color="k", ms=12, label="pop auto")
-    axes[0].set_ylabel("next-token agreement with full")
-    axes[1].set_ylabel("KL(full ‖ variant), nats")
-    axes[1].set_yscale("symlog", linthresh=1e-3)
-    for ax in axes[:2]:
-        ax.set_xlabel("k (layers skipped)")
-        ax.set_xticks(ks)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    if "passkey" in results:
-        pk = results["passkey"]
-        lengths = pk["lengths"]
-        for label, acc in pk["accuracy"].items():
-            style = "-" if label == "full" else ("o-" if label.startswith("pop") else "s--")
-            axes[2].plot(lengths, [acc[str(n)] for n in lengths], style, label=label)
-        axes[2].set_xscale("log", base=2)
-        axes[2].set_xlabel("context length (tokens)")
-        axes[2].set_ylabel(f"passkey accuracy ({pk['trials']} trials per length)")
-        axes[2].set_ylim(-0.05, 1.05)
-        axes[2].legend(fontsize=7)
-        axes[2].grid(alpha=0.3)
-    fig.suptitle(f"{results['model']} ({results['num_layers']} layers): POP vs static removal")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _mean(values) -> float:
     values = [float(v) for v in values]
     return sum(values) / len(values) if values else math.nan
@@ -321,7 +280,7 @@ def save(results: dict, out_dir) -> dict:
     paths = {"json": out / "eval.json", "markdown": out / "eval.md", "png": out / "eval.png"}
     paths["json"].write_text(json.dumps(results, indent=2) + "\n")
     paths["markdown"].write_text(markdown_table(results) + "\n")
-    plot_quality(results, paths["png"])
+    plots.quality_against_k(results, paths["png"])
     return paths
 
 

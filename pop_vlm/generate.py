@@ -106,15 +106,15 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 class StageClock:
-    """Reads wall-clock time per stage, synchronising the device first so GPU work is counted where it ran.
+    """Reads the time per stage, synchronising the device first so GPU work is counted where it ran.
 
-    `timer` is the clock read; the benchmark swaps in `time.thread_time` for one-thread CPU runs on a shared host.
+    `timer` is the clock read: wall-clock by default; the benchmarks pass `time.thread_time` for one-thread CPU runs
+    on a shared host (the thread's CPU time is immune to time-slicing by other processes).
     """
 
-    timer = staticmethod(time.perf_counter)
-
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timer=time.perf_counter):
         self.device = device
+        self.timer = timer
         self.last = self.now()
         self.stages: dict[str, float] = {}
 
@@ -166,13 +166,14 @@ def generate_tokens(
     cache=None,
     start: int = 0,
     prompt: Prompt | None = None,
+    timer=time.perf_counter,
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `result` collects tokens, scores, timings and the cache.
 
     With `time_limit_s`, decoding stops once that many seconds have passed (finish_reason "timeout"). With
     `cache` holding the K/V of the prompt's first `start` tokens, only tokens [start, N) are prefilled. With
     `prompt`, `inputs` already went through `adapter.encode` (the vision encoder): that work is not done again and
-    `result.timings.vision_s` is left as the caller set it.
+    `result.timings.vision_s` is left as the caller set it. `timer` is the clock the stages are read with.
     """
     check_max_new_tokens(max_new_tokens)
     sampling = sampling or SamplingParams()
@@ -187,7 +188,7 @@ def generate_tokens(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timings = result.timings
-    clock = StageClock(device)
+    clock = StageClock(device, timer)
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
 
     with torch.inference_mode():

@@ -140,37 +140,6 @@ class LayerImportance:
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def plot(self, path: str | os.PathLike, budget: float | None = None) -> None:
-        """A PNG: prefill and decode importance (shares of each stage's total) and Block Influence per layer."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        budget = self.settings.get("budget", DEFAULT_BUDGET) if budget is None else budget
-        layers = list(range(self.num_layers))
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-        width = 0.4
-        top.bar([i - width / 2 for i in layers], self.share("prefill"), width, label="prefill positions", color="#4C72B0")
-        top.bar([i + width / 2 for i in layers], self.share("decode"), width, label="decode positions", color="#DD8452")
-        k = self.auto_k(budget)
-        if k:
-            top.axvline(self.num_layers - k - 0.5, color="k", ls="--", lw=1)
-            top.text(self.num_layers - k - 0.4, top.get_ylim()[1] * 0.92, f"auto: prefill skips last {k}\n(≤{budget:.0%} of prefill importance)",
-                     fontsize=8, va="top")
-        top.set_ylabel("share of stage's Fisher importance")
-        top.set_yscale("log")
-        top.legend(loc="upper left", fontsize=8)
-        title = f"{self.model}: " if self.model else ""
-        top.set_title(f"{title}virtual-gate importance per layer ({self.n_samples} samples, {self.n_prompts} prompts)")
-        bottom.bar(layers, self.block_influence, color="#55A868")
-        bottom.set_ylabel("Block Influence\n1 − cos(in, out)")
-        bottom.set_xlabel("layer")
-        bottom.set_xticks(layers)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
 
 # ---- the virtual gates -------------------------------------------------------------------------------------------
 class VirtualGates:

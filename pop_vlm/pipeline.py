@@ -87,6 +87,7 @@ class Pipeline:
         self.eos_token_ids = self._eos_token_ids()
         self.auto_k: int | None = None  # set from an importance profile, for prune_layers="auto"
         self.prefix_cache = PrefixCache()  # conversations' caches, for follow-up questions
+        self.timer = time.perf_counter  # the clock of `Timings` (benchmarks pass time.thread_time)
 
     @property
     def device(self) -> torch.device:
@@ -179,23 +180,23 @@ class Pipeline:
     def stream(self, image, question: str, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Iterator:
         """Yield text pieces as they are generated; the last item is the `Answer`."""
         check_mode(mode)
-        start = time.perf_counter()
+        start = self.timer()
         inputs = self.build_inputs(image, question)
-        return self._stream(inputs, mode, pop, preprocess_s=time.perf_counter() - start, **kwargs)
+        return self._stream(inputs, mode, pop, preprocess_s=self.timer() - start, **kwargs)
 
     def stream_chat(self, messages: list[dict], mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Iterator:
         """`stream` for a whole conversation (see `build_chat_inputs`)."""
         check_mode(mode)
-        start = time.perf_counter()
+        start = self.timer()
         inputs = self.build_chat_inputs(messages)
-        return self._stream(inputs, mode, pop, preprocess_s=time.perf_counter() - start, **kwargs)
+        return self._stream(inputs, mode, pop, preprocess_s=self.timer() - start, **kwargs)
 
     def prepare(self, image, question: str) -> PreparedPrompt:
         """Build the inputs of (image, question) once, for several runs: `stream_prepared` / `answer_prepared` in
         each mode then share the preprocessing and one vision-encoder pass, and report the same times for them."""
-        start = time.perf_counter()
+        start = self.timer()
         inputs = self.build_inputs(image, question)
-        return PreparedPrompt(inputs, preprocess_s=time.perf_counter() - start)
+        return PreparedPrompt(inputs, preprocess_s=self.timer() - start)
 
     def stream_prepared(self, prepared: PreparedPrompt, mode: str = "pop", pop: PopConfig | None = None,
                         **kwargs) -> Iterator:
@@ -211,7 +212,7 @@ class Pipeline:
     def _embedded(self, prepared: PreparedPrompt) -> Prompt:
         """The prepared prompt through the vision encoder and the embedding, once."""
         if prepared.prompt is None:
-            clock = StageClock(self.device)
+            clock = StageClock(self.device, self.timer)
             with torch.inference_mode():
                 prepared.prompt = self.adapter.encode(prepared.inputs)
             clock("vision")
@@ -292,7 +293,7 @@ class Pipeline:
         tokens = generate_tokens(
             self.adapter, inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=self.eos_token_ids, output_scores=output_scores, result=result, auto_k=self.auto_k,
-            time_limit_s=time_limit_s, cache=cache, start=start, prompt=prompt,
+            time_limit_s=time_limit_s, cache=cache, start=start, prompt=prompt, timer=self.timer,
         )
         shown = ""
         for _ in tokens:

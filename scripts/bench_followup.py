@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from pop_vlm import archs
-from pop_vlm.bench import Point, Requests, machine_description, parse_ints, resolve_vocab, tune_malloc
+from pop_vlm.bench import Point, Requests, clock_timer, parse_ints, resolve_vocab
+from pop_vlm.memory import machine_description, tune_malloc
 from pop_vlm.config import PopConfig
-from pop_vlm.generate import StageClock
 from pop_vlm.pipeline import Pipeline, resolve_device, resolve_dtype
 
 TURNS = ("first", "follow-up cached", "follow-up scratch")
@@ -63,9 +63,7 @@ def run_followup(arch: str = "qwen3-vl-2b", scale: float = 0.25, image_sizes=(44
     dtype = resolve_dtype("auto", dev)  # fp32 on CPU
     tuned = tune_malloc()
     torch.set_flush_denormal(True)
-    previous_timer = StageClock.timer
-    StageClock.timer = staticmethod(time.thread_time if clock == "cpu" else time.perf_counter)
-    try:
+    if True:
         start = time.perf_counter()
         built = archs.build(arch, scale=scale, vocab=resolve_vocab(vocab, scale), dtype=dtype, device=dev)
         if not built.is_multimodal:
@@ -73,6 +71,7 @@ def run_followup(arch: str = "qwen3-vl-2b", scale: float = 0.25, image_sizes=(44
         log(f"built {arch} at scale {scale} ({archs.parameter_count(built.model) / 1e6:.1f} M parameters) "
             f"in {time.perf_counter() - start:.1f}s")
         pipe = Pipeline(built.model, IdsTokenizer(), name=arch)
+        pipe.timer = clock_timer(clock)
         pipe.eos_token_ids = set()  # random weights: every answer runs to answer_tokens
         pop = PopConfig(prune_layers=prune_layers)
         k = pop.num_pruned(pipe.num_layers)
@@ -81,8 +80,6 @@ def run_followup(arch: str = "qwen3-vl-2b", scale: float = 0.25, image_sizes=(44
         for size in image_sizes:
             rows += _measure_size(pipe, requests, Point(text_tokens, size), modes, pop, answer_tokens,
                                   followup_tokens, repeats, warmup, log)
-    finally:
-        StageClock.timer = previous_timer
     meta = {
         "arch": arch, "hub_id": archs.ARCHS[arch]["hub_id"], "scale": scale, "num_layers": pipe.num_layers,
         "prune_layers": k, "modes": list(modes), "image_sizes": list(image_sizes), "text_tokens": text_tokens,
@@ -98,11 +95,10 @@ def run_followup(arch: str = "qwen3-vl-2b", scale: float = 0.25, image_sizes=(44
 
 
 def _request(pipe, requests, point, ids, mode, pop, max_new_tokens, reuse):
-    timer = StageClock.timer
-    start = timer()
+    start = pipe.timer()
     inputs = requests.make(point)  # runs the image processor, as every chat turn does
     inputs["input_ids"] = torch.tensor([ids], dtype=torch.long)
-    preprocess = timer() - start
+    preprocess = pipe.timer() - start
     return pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens, reuse_prefix=reuse,
                          preprocess_s=preprocess)
 

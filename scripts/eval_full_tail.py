@@ -28,12 +28,12 @@ import torch
 
 import pop_vlm
 from pop_vlm import shapes
-from pop_vlm.bench import machine_description, tune_malloc
+from pop_vlm.memory import machine_description, tune_malloc
 from pop_vlm.config import PopConfig
-from pop_vlm.evaluate import Variant, forced_logits, kl_divergence, variant_plan
-from pop_vlm.generate import GenerationResult, StageClock, Timings, generate_tokens
+from pop_vlm.evaluate import Variant, fidelity
+from pop_vlm.generate import GenerationResult, Timings, generate_tokens
 from pop_vlm.importance import text_passages
-from pop_vlm.pop import make_plan, tail_length
+from pop_vlm.pop import tail_length
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "assets" / "qa" / "shapes_test.jsonl"
@@ -50,36 +50,22 @@ def text_part(tails=(1, 4, 16, 64), n_prompts: int = 8, prompt_tokens: int = 512
     pipe = pop_vlm.load("gemma-3-270m", device="cpu")
     adapter = pipe.adapter
     k = PopConfig().num_pruned(pipe.num_layers)  # L/3
-    prompts = []
-    for passage in text_passages(n_prompts, prompt_tokens * 8, seed=seed + 1):  # as evaluate.fidelity builds them
-        ids = pipe.tokenizer(passage, return_tensors="pt").input_ids[:, :prompt_tokens]
-        prompts.append({"input_ids": ids})
-    settings = [("pop", m) for m in tails] + [("static", 1)]
-    stats = {(name, m): {"agree": [], "agree_first": [], "kl_first": [], "kl": []} for name, m in settings}
-    for i, inputs in enumerate(prompts):
-        tokens = list(generate_tokens(adapter, inputs, mode="full", max_new_tokens=continuation))
-        reference = forced_logits(adapter, inputs, make_plan(adapter, "full"), tokens)
-        target = torch.tensor(tokens)
-        for name, m in settings:
-            logits = forced_logits(adapter, inputs, variant_plan(adapter, Variant(name, k)), tokens, full_tail=m)
-            kl = kl_divergence(reference, logits).clamp_min(0.0)
-            hit = (logits.argmax(-1).cpu() == target).float()
-            s = stats[name, m]
-            s["agree"].append(float(hit.mean()))
-            s["agree_first"].append(float(hit[0]))
-            s["kl_first"].append(float(kl[0]))
-            s["kl"].append(float(kl.mean()))
-        log(f"  fidelity prompt {i + 1}/{len(prompts)} ({inputs['input_ids'].shape[1]} tokens)")
+    pruned = [Variant("pop", k, full_tail=m) for m in tails] + [Variant("static", k)]
+    fid = fidelity(pipe, pruned, n_prompts=n_prompts, prompt_tokens=prompt_tokens, continuation=continuation,
+                   seed=seed, progress=True)
+    stats = {(v.name, v.full_tail): fid[v.label] for v in pruned}
+    inputs = {"input_ids": pipe.tokenizer(next(iter(text_passages(1, prompt_tokens * 8, seed=seed + 1))),
+                                          return_tensors="pt").input_ids[:, :prompt_tokens]}  # fidelity's first prompt
 
     # LM time at one ~prompt_tokens prompt, settings interleaved in a rotating order
     timing_settings = [("full", 1)] + [("pop", m) for m in tails] + [("static", 1)]
-    inputs = prompts[0]
     times = {s: [] for s in timing_settings}
 
     def run(name, m):
         result = GenerationResult(timings=Timings())
         pop = PopConfig(prune_layers=k, full_tail=m)
-        for _ in generate_tokens(adapter, inputs, mode=name, pop=pop, max_new_tokens=1, result=result):
+        for _ in generate_tokens(adapter, inputs, mode=name, pop=pop, max_new_tokens=1, result=result,
+                                 timer=time.thread_time):
             pass
         return result.timings.prefill_s + result.timings.first_token_s
 
@@ -92,12 +78,8 @@ def text_part(tails=(1, 4, 16, 64), n_prompts: int = 8, prompt_tokens: int = 512
     full_median = statistics.median(times["full", 1])
     rows = []
     for name, m in timing_settings:
-        s = stats.get((name, m))
         row = {"mode": name, "full_tail": m if name == "pop" else None, "k": 0 if name == "full" else k,
-               "agreement": 1.0 if name == "full" else _mean(s["agree"]),
-               "first_token_agreement": 1.0 if name == "full" else _mean(s["agree_first"]),
-               "kl_first": 0.0 if name == "full" else _mean(s["kl_first"]),
-               "kl_mean": 0.0 if name == "full" else _mean(s["kl"]),
+               **(fid["full"] if name == "full" else stats[name, m]),
                "lm_s": statistics.median(times[name, m]), "lm_min_s": min(times[name, m])}
         row["lm_speedup"] = full_median / row["lm_s"]
         rows.append(row)
@@ -110,6 +92,7 @@ def text_part(tails=(1, 4, 16, 64), n_prompts: int = 8, prompt_tokens: int = 512
 def vlm_part(n_records: int | None = None, seed: int = 0, max_new_tokens: int = 4, log=print) -> dict:
     weights = ROOT / "assets" / "models"
     pipe = pop_vlm.load("shapes-qwen3-vl", device="cpu")
+    pipe.timer = time.thread_time  # one thread: its CPU time
     digest = ""
     for path in sorted(weights.rglob("model.safetensors")):
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
@@ -203,7 +186,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     tune_malloc()
     torch.set_flush_denormal(True)
-    StageClock.timer = staticmethod(time.thread_time)  # one thread: its CPU time
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     parts = [p for p in args.parts.split(",") if p]
     report = {"meta": {

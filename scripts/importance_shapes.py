@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import pop_vlm  # noqa: E402
-from pop_vlm import shapes, zoo  # noqa: E402
+from pop_vlm import plots, shapes, zoo  # noqa: E402
 
 QTYPES = ["color_of_shape", "shape_of_color", "count", "exists", "left_right"]
 
@@ -37,7 +37,7 @@ def main() -> int:
     profile = pipe.importance(samples, samples_per_prompt=args.draws, progress=True)
     out = Path(zoo.resolve(args.model)) / "importance.json"
     profile.to_json(out)
-    profile.plot(args.plot)
+    plots.importance_profile(profile, args.plot)
     for row in profile.as_table():
         print(f"layer {row['layer']}: prefill {row['prefill_share']:.4f}  decode {row['decode_share']:.4f}  "
               f"BI {row['block_influence']:.3f}")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from pop_vlm import LayerImportance, Pipeline, PopConfig, zoo
+from pop_vlm import LayerImportance, Pipeline, PopConfig, plots, zoo
 from pop_vlm import evaluate as ev
 from pop_vlm.cli import main
 from pop_vlm.importance import VirtualGates, frozen_parameters, gated_loss, text_samples
@@ -134,7 +134,7 @@ def test_importance_json_table_plot(tmp_path):
     assert json.loads(profile.to_json())["auto_k"] == 1
     rows = profile.as_table()
     assert [r["layer"] for r in rows] == [0, 1, 2, 3] and rows[3]["decode_share"] == pytest.approx(0.4)
-    profile.plot(tmp_path / "imp.png")
+    plots.importance_profile(profile, tmp_path / "imp.png")
     assert (tmp_path / "imp.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -202,3 +202,13 @@ def test_cli_importance_and_eval(tmp_path, capsys):
     results = json.loads((out / "eval.json").read_text())
     assert results["auto_k"] == profile.auto_k() and (out / "eval.md").is_file() and (out / "eval.png").is_file()
     assert "pop@2" in capsys.readouterr().out
+
+
+def test_each_variant_is_one_mode_and_one_pop_config():
+    assert ev.Variant("full", 0).mode == "full" and ev.Variant("full", 0).pop is None
+    assert ev.Variant("static", 2).mode == "static" and ev.Variant("static", 2).pop == PopConfig(prune_layers=2)
+    assert ev.Variant("pop-no-kv", 3).pop == PopConfig(prune_layers=3, kv_projection=False)
+    assert ev.Variant("pop-no-boundary", 3).pop == PopConfig(prune_layers=3, boundary=False)
+    tail = ev.Variant("pop", 2, full_tail="text")
+    assert tail.mode == "pop" and tail.pop == PopConfig(prune_layers=2, full_tail="text")
+    assert len({v.label for v in (ev.Variant("pop", 2), tail, ev.Variant("pop", 2, full_tail=4))}) == 3

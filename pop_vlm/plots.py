@@ -1,0 +1,118 @@
+"""Plots of the library's results, as PNG files: importance profiles, benchmark speedups, quality against k.
+Results stay plain data; matplotlib is imported here only, and only when a plot is drawn."""
+from __future__ import annotations
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on servers and in tests)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def importance_profile(profile, path, budget: float | None = None) -> None:
+    """A PNG of a `LayerImportance`: prefill and decode importance (shares of each stage's total) and Block Influence per layer."""
+    from .importance import DEFAULT_BUDGET
+
+    plt = pyplot()
+    budget = profile.settings.get("budget", DEFAULT_BUDGET) if budget is None else budget
+    layers = list(range(profile.num_layers))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    width = 0.4
+    top.bar([i - width / 2 for i in layers], profile.share("prefill"), width, label="prefill positions", color="#4C72B0")
+    top.bar([i + width / 2 for i in layers], profile.share("decode"), width, label="decode positions", color="#DD8452")
+    k = profile.auto_k(budget)
+    if k:
+        top.axvline(profile.num_layers - k - 0.5, color="k", ls="--", lw=1)
+        top.text(profile.num_layers - k - 0.4, top.get_ylim()[1] * 0.92, f"auto: prefill skips last {k}\n(≤{budget:.0%} of prefill importance)",
+                 fontsize=8, va="top")
+    top.set_ylabel("share of stage's Fisher importance")
+    top.set_yscale("log")
+    top.legend(loc="upper left", fontsize=8)
+    title = f"{profile.model}: " if profile.model else ""
+    top.set_title(f"{title}virtual-gate importance per layer ({profile.n_samples} samples, {profile.n_prompts} prompts)")
+    bottom.bar(layers, profile.block_influence, color="#55A868")
+    bottom.set_ylabel("Block Influence\n1 − cos(in, out)")
+    bottom.set_xlabel("layer")
+    bottom.set_xticks(layers)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bench_speedups(report: dict, path) -> None:
+    """The benchmark's speedups over full against prompt length, with the FLOP limits (PNG)."""
+    plt = pyplot()
+    meta = report["meta"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"pop": "tab:blue", "static": "tab:orange", "full": "tab:gray"}
+    for mode in ("pop", "static"):
+        text = sorted((r for r in report["points"] if r["mode"] == mode and not r["image_size"]), key=lambda r: r["tokens"])
+        image = sorted((r for r in report["points"] if r["mode"] == mode and r["image_size"]), key=lambda r: r["tokens"])
+        if not text and not image:
+            continue
+        if text:
+            ax.plot([r["tokens"] for r in text], [r["speedup"] for r in text], "o-", color=colors[mode], label=f"{mode}: measured (text)")
+            ax.plot([r["tokens"] for r in text], [r["flop_limit"] for r in text], "--", color=colors[mode], label=f"{mode}: FLOP limit")
+        if image:
+            ax.plot([r["tokens"] for r in image], [r["speedup"] for r in image], "s:", color=colors[mode],
+                    label=f"{mode}: measured (image + {image[0]['text_tokens']} text)")
+    ax.axhline(1.0, color=colors["full"], lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("LM prefill speedup over full")
+    ax.set_title(f"{meta['arch']} (scale {meta['scale']}, k={meta['prune_layers']}/{meta['num_layers']}, "
+                 f"{meta['dtype']}, {meta['device']})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def quality_against_k(results: dict, path) -> None:
+    """Agreement and mean KL against k for pop, static and the ablations (PNG)."""
+    plt = pyplot()
+    fid = results["fidelity"]
+    ks = results["ks"]
+    fig, axes = plt.subplots(1, 3 if "passkey" in results else 2, figsize=(13 if "passkey" in results else 9, 3.8))
+    styles = {"pop": ("#4C72B0", "o-"), "static": ("#C44E52", "s-"), "pop-no-kv": ("#8172B2", "^--"),
+              "pop-no-boundary": ("#937860", "v--")}
+    for name, (color, style) in styles.items():
+        labels = [f"{name}@{k}" for k in ks]
+        if not all(label in fid for label in labels):
+            continue
+        axes[0].plot(ks, [fid[label]["agreement"] for label in labels], style, color=color, label=name)
+        axes[1].plot(ks, [fid[label]["kl_mean"] for label in labels], style, color=color, label=name)
+    auto = [label for label in fid if label.startswith("pop-auto@")]
+    for label in auto:
+        k = int(label.split("@")[1])
+        axes[0].plot([k], [fid[label]["agreement"]], "*", color="k", ms=12, label="pop auto")
+        axes[1].plot([k], [fid[label]["kl_mean"]], "*", color="k", ms=12, label="pop auto")
+    axes[0].set_ylabel("next-token agreement with full")
+    axes[1].set_ylabel("KL(full ‖ variant), nats")
+    axes[1].set_yscale("symlog", linthresh=1e-3)
+    for ax in axes[:2]:
+        ax.set_xlabel("k (layers skipped)")
+        ax.set_xticks(ks)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if "passkey" in results:
+        pk = results["passkey"]
+        lengths = pk["lengths"]
+        for label, acc in pk["accuracy"].items():
+            style = "-" if label == "full" else ("o-" if label.startswith("pop") else "s--")
+            axes[2].plot(lengths, [acc[str(n)] for n in lengths], style, label=label)
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xlabel("context length (tokens)")
+        axes[2].set_ylabel(f"passkey accuracy ({pk['trials']} trials per length)")
+        axes[2].set_ylim(-0.05, 1.05)
+        axes[2].legend(fontsize=7)
+        axes[2].grid(alpha=0.3)
+    fig.suptitle(f"{results['model']} ({results['num_layers']} layers): POP vs static removal")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
