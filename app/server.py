@@ -93,9 +93,9 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
     demo = build_demo(manager)
     demo.queue(max_size=queue_size, default_concurrency_limit=1)
     login = page_login(api_keys, ui_auth or [])
+    key_login = login is not None and not ui_auth
     app = gr.mount_gradio_app(api, demo, path="/", allowed_paths=asset_paths(), auth=login,
-                              auth_message=None if ui_auth or not login else
-                              "This server needs an API key: any user name, the key as the password.")
+                              auth_message="Log in with any user name and an API key as the password." if key_login else None)
     # requests for the model (API and page clicks, running or waiting), unlike open connections: what to scale on
     app.state.model_requests = lambda: manager.requests_in_line + page_events_waiting(demo)
     if load_in_background:

@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-model-root", help="with --allow-any-model: local model folders must lie under this folder")
     serve.add_argument("--api-key", action="append",
                        help="every /v1/* request needs 'Authorization: Bearer <key>' and the page a login; repeat "
-                            "for several keys [POP_VLM_API_KEY, comma-separated]")
+                            "for several keys [POP_VLM_API_KEY, comma-separated; better, since arguments show in "
+                            "the process list]")
     serve.add_argument("--ui-auth", action="append", metavar="USER:PASSWORD",
                        help="the page's login (default with an API key: any user name, a key as the password) "
                             "[POP_VLM_UI_AUTH]")

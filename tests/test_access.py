@@ -204,6 +204,7 @@ def test_v1_needs_a_key_and_healthz_does_not(keyed_server):
         for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {"messages": HELLO})):
             response = httpx.request(method, url + path, json=body, headers=headers)
             assert response.status_code == 401, (path, headers)
+            assert response.headers["www-authenticate"].startswith("Bearer") and response.headers["x-pop-vlm-replica"]
             assert response.json()["error"]["code"] == "invalid_api_key"
             assert response.json()["error"]["type"] == "invalid_request_error"
             assert "key-one" not in response.text
