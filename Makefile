@@ -5,16 +5,19 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 7860
 SERVE_ARGS ?=
+# the tested versions of everything (torch included), shared with the Docker images and CI
+CONSTRAINTS := constraints.txt
+# where torch comes from; empty: pip's index (PyPI's Linux wheel is the CUDA 13.0 build; a +cpu wheel of the same
+# version wins where pip finds one, as on CI). https://download.pytorch.org/whl/cpu: the small CPU build.
+TORCH_INDEX ?=
 
 .PHONY: setup serve test browser lint
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	@# the CPU wheel of torch where there is no NVIDIA GPU; the default (CUDA) build where there is one
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
-	else $(PY) -m pip install --quiet torch==2.13.0; fi
-	$(PY) -m pip install --quiet -e ".[test,ray]"
+	$(PY) -m pip install --quiet --constraint $(CONSTRAINTS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch
+	$(PY) -m pip install --quiet --constraint $(CONSTRAINTS) -e ".[test,ray]"
 	touch $@
 
 setup: $(VENV)/.installed

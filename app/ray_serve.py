@@ -24,10 +24,17 @@ class PopVLMReplica:
     """The deployment's user class: it owns the model; Serve's ingress wrapper serves `create_app`'s ASGI app."""
 
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto", queue_size: int = 16,
-                 allow_remote_images: bool = False, allowed_model_root: str | None = None):
-        from .models import ModelManager
+                 allow_remote_images: bool = False, allowed_model_root: str | None = None,
+                 models: list[str] | None = None, allow_any_model: bool = False, api_keys: list[str] | None = None,
+                 ui_auth: list[str] | None = None):
+        from .auth import api_keys_from, ui_auth_from
+        from .models import ModelManager, served_models
 
-        self.manager = ModelManager(model, device=device, dtype=dtype, allowed_root=allowed_model_root)
+        # keys and served models not given here come from the replica's environment (a Serve config's runtime_env)
+        served = served_models(models or ([model] if model else None))
+        self.manager = ModelManager(model, device=device, dtype=dtype, allowed_root=allowed_model_root,
+                                    served=served, allow_any=allow_any_model)
+        self.api_keys, self.ui_auth = api_keys_from(api_keys), ui_auth_from(ui_auth)
         self.queue_size = queue_size
         self.allow_remote_images = allow_remote_images
         self.server = None  # the FastAPI app, once built (the ingress wrapper owns the name `app`)
@@ -42,7 +49,8 @@ class PopVLMReplica:
         # the model loads here, before Serve marks the replica RUNNING and routes requests to it
         self.server = create_app(self.manager, policy=ImageFetchPolicy(allow_remote=self.allow_remote_images),
                                  queue_size=self.queue_size, load_in_background=False, replica=replica_name(),
-                                 session_cookie=(SESSION_COOKIE, serve.get_replica_context().replica_id.unique_id))
+                                 session_cookie=(SESSION_COOKIE, serve.get_replica_context().replica_id.unique_id),
+                                 api_keys=self.api_keys, ui_auth=self.ui_auth)
         return self.server
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -113,14 +121,21 @@ def deployment_options(args: dict[str, Any]) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | None = None):
     """Serve application builder (`import_path: app.ray_serve:build_app` in a Serve config).
 
-    args: `model`, `device`, `dtype`, `queue_size`, `allow_remote_images`, `allowed_model_root`, and the
+    args: `model` or `models` (a list, or names separated by commas: the served models, the first the default),
+    `allow_any_model`, `device`, `dtype`, `queue_size`, `allow_remote_images`, `allowed_model_root`, and the
     deployment options of `deployment_options`. Per-deployment settings in the config file's `deployments:`
-    section override these."""
+    section override these. API keys are best given to the replicas as POP_VLM_API_KEY in the config's
+    runtime_env, not here."""
     from ray import serve
 
     args = dict(args or {})
+    models = args.get("models")
     replica_args = {
         "model": args.get("model") or os.environ.get("POP_VLM_MODEL"),
+        "models": models.split(",") if isinstance(models, str) else models,
+        "allow_any_model": _flag(args.get("allow_any_model", False)),
+        "api_keys": args.get("api_keys"),
+        "ui_auth": args.get("ui_auth"),
         "device": args.get("device", "auto"),
         "dtype": args.get("dtype", "auto"),
         "queue_size": int(args.get("queue_size", 16)),
@@ -198,7 +213,11 @@ def serve_from_cli(args) -> int:
         return 2
     from pop_vlm.pipeline import default_model_name
 
-    model = args.model or default_model_name()
+    from .auth import api_keys_from, exposure_warning
+    from .models import served_models
+
+    models = served_models(args.model)
+    model = models[0] if models else default_model_name()
     if model is None:
         print("error: no model given and no default model is installed; use --model", file=sys.stderr)
         return 2
@@ -210,7 +229,12 @@ def serve_from_cli(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)  # docker stop / kill: tear Serve down as Ctrl-C does
-    settings = {"model": model, "device": args.device, "dtype": args.dtype, "queue_size": args.queue_size or 16,
+    keys = api_keys_from(args.api_key)
+    warning = exposure_warning(args.host, keys)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    settings = {"model": model, "models": models, "allow_any_model": args.allow_any_model, "api_keys": list(keys),
+                "ui_auth": args.ui_auth, "device": args.device, "dtype": args.dtype, "queue_size": args.queue_size or 16,
                 "allow_remote_images": args.allow_remote_images, "allowed_model_root": args.allowed_model_root,
                 "replicas": args.replicas, "max_replicas": args.max_replicas, "num_gpus": args.num_gpus,
                 "num_cpus": args.num_cpus}

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import iterate_in_threadpool, run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .auth import RequireAPIKey, page_login
 from .models import Busy, ModelError, ModelManager
 from .openai_api import APIError, ImageFetchPolicy, chunk, completion_id, finish_reason, parse_request, response_body
 from .ui import asset_paths, build_demo
@@ -18,12 +19,17 @@ from .ui import asset_paths, build_demo
 
 def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None, queue_size: int = 16,
                load_in_background: bool = True, replica: str | None = None,
-               session_cookie: tuple[str, str] | None = None) -> FastAPI:
+               session_cookie: tuple[str, str] | None = None, api_keys: tuple[str, ...] = (),
+               ui_auth: list[tuple[str, str]] | None = None) -> FastAPI:
     """`replica` names this server in the `x-pop-vlm-replica` response header (default: host:pid); under Ray
     Serve each replica passes its own id, so clients see how requests spread. `session_cookie` (name, value), set
-    on the page's responses, lets a sticky router send a browser's later requests back here (see `ray_router`)."""
+    on the page's responses, lets a sticky router send a browser's later requests back here (see `ray_router`).
+    `api_keys`: every /v1/* request needs one as a bearer token; the page then asks for a login (`ui_auth`'s users,
+    or an API key as the password)."""
     policy = policy or ImageFetchPolicy()
     api = FastAPI(title="pop-vlm", description="Vision-language models with Prefill-Only Pruning")
+    if api_keys:
+        api.add_middleware(RequireAPIKey, keys=api_keys)  # added first: innermost, so refusals get the headers below
     api.add_middleware(AddResponseHeader, name=REPLICA_HEADER, value=replica or process_name())
     if session_cookie is not None:
         # on the page's responses only: API clients should keep spreading over replicas. Set on each response,
@@ -58,6 +64,8 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
             body = await request.json()
         except ValueError:
             raise APIError(400, "the request body is not valid JSON") from None
+        if isinstance(body, dict):
+            served_model(manager, body.get("model"))  # before images are decoded or fetched
         chat = parse_request(body, policy, manager.limits)
         if not manager.ready.is_set():
             raise APIError(503, "the model is still loading; retry shortly", kind="server_error", code="loading")
@@ -84,7 +92,10 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
 
     demo = build_demo(manager)
     demo.queue(max_size=queue_size, default_concurrency_limit=1)
-    app = gr.mount_gradio_app(api, demo, path="/", allowed_paths=asset_paths())
+    login = page_login(api_keys, ui_auth or [])
+    key_login = login is not None and not ui_auth
+    app = gr.mount_gradio_app(api, demo, path="/", allowed_paths=asset_paths(), auth=login,
+                              auth_message="Log in with any user name and an API key as the password." if key_login else None)
     # requests for the model (API and page clicks, running or waiting), unlike open connections: what to scale on
     app.state.model_requests = lambda: manager.requests_in_line + page_events_waiting(demo)
     if load_in_background:
@@ -92,6 +103,16 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
     else:
         manager.load_default()
     return app
+
+
+def served_model(manager: ModelManager, name) -> str:
+    """The request's model if the operator serves it; 404 model_not_found otherwise, decided from the name alone."""
+    if name is not None and not isinstance(name, str):
+        raise APIError(400, "'model' must be a string", param="model")
+    try:
+        return manager.check_name(name)
+    except ModelError as err:
+        raise APIError(404, str(err), param="model", code="model_not_found") from None
 
 
 def page_events_waiting(demo: gr.Blocks) -> int:

@@ -79,9 +79,10 @@ REQUESTS = {
     "ftp-url": (chat("ftp://example.org/cat.png"), None, "data: URL"),
     "remote-url-disabled": (chat("https://example.org/cat.png"), None, "disabled"),
     "empty-url": (chat(""), None, "data: URL"),
-    "unknown-model": (chat(model="no such model"), None, "unknown model"),
-    "model-path-outside-root": (chat(model="/"), None, "must lie under"),
-    "missing-hub-model": (chat(model="nobody-here/does-not-exist-anywhere"), None, "cannot load"),
+    "unknown-model": (chat(model="no such model"), None, "not served"),
+    "model-path-not-served": (chat(model="/"), None, "not served"),
+    "hub-model-not-served": (chat(model="nobody-here/does-not-exist-anywhere"), None, "not served"),
+    "model-not-a-string": (chat(model=["a"]), None, "model"),
     "temperature-negative": (chat(temperature=-1), None, "temperature"),
     "temperature-too-high": (chat(temperature=7), None, "temperature"),
     "top-p-zero": (chat(top_p=0), None, "top_p"),
@@ -132,6 +133,7 @@ GRADIO_CASES = {
     **{f"image-{name}": ("image", name) for name in IMAGES},
     **{f"question-{name}": ("question", name) for name in QUESTIONS},
     "unknown-model": ("model", "no such model"),
+    "hub-model-not-served": ("model", "nobody-here/does-not-exist-anywhere"),
     "prune-too-many": ("prune", "99"),
     "prune-word": ("prune", "most"),
     "max-new-tokens-zero": ("max_new_tokens", 0),
@@ -151,7 +153,7 @@ def test_bad_inputs_through_gradio_compare(server, tmp_path, case):
     elif kind == "question":
         kwargs["question"], expected = QUESTIONS[value]
     elif kind == "model":
-        kwargs["model"] = value
+        kwargs["model"], expected = value, "not served"
     elif kind == "prune":
         kwargs["prune"] = value
     else:
