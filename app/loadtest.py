@@ -136,78 +136,9 @@ def run_load(url: str, clients: int = 8, seconds: float = 30.0, *, max_requests:
         raise ValueError("page sessions upload an image: run them with one")
     report = LoadReport(clients=clients, seconds=seconds, pages=pages)
     report.memory_before_bytes = server_memory(url)
-    fixed_body = json.dumps(request_body(image, max_tokens, question))
-    lock = threading.Lock()
-    deadline = time.monotonic() + seconds
-    endpoint = url.rstrip("/") + "/v1/chat/completions"
-
-    def client_loop():
-        with httpx.Client(timeout=timeout_s) as http:
-            while time.monotonic() < deadline:
-                with lock:
-                    if report.sent >= max_requests:
-                        return
-                    report.sent += 1
-                    index = report.sent
-                body = fixed_body
-                if vary and image is not None:
-                    body = json.dumps(request_body(varied_image(image, index), max_tokens, question))
-                start = time.monotonic()
-                try:
-                    response = http.post(endpoint, content=body, headers={"content-type": "application/json"})
-                except httpx.HTTPError as err:
-                    with lock:
-                        report.lost += 1
-                        report.errors.append(f"lost: {type(err).__name__}: {err}")
-                    continue
-                elapsed = time.monotonic() - start
-                with lock:
-                    if response.status_code == 200 and _has_answer(response):
-                        report.answered += 1
-                        report.latencies_s.append(elapsed)
-                        replica = response.headers.get("x-pop-vlm-replica", "?")
-                        report.api_answers_per_replica[replica] = report.api_answers_per_replica.get(replica, 0) + 1
-                    elif response.status_code in (429, 503):
-                        report.refused += 1
-                    else:
-                        report.failed += 1
-                        report.errors.append(f"failed: HTTP {response.status_code}: {response.text[:200]}")
-
-    def page_loop(session: int):
-        import tempfile
-
-        from gradio_client import Client, handle_file
-
-        try:
-            page = Client(url.rstrip("/") + "/", verbose=False)
-        except Exception as err:  # noqa: BLE001 - the page did not even load: every click of it fails
-            with lock:
-                report.page_clicks_failed += 1
-                report.errors.append(f"page {session} did not load: {type(err).__name__}: {err}")
-            return
-        home = page.cookies.get("pop_vlm_replica", "?")
-        with tempfile.TemporaryDirectory() as folder:
-            click = 0
-            while time.monotonic() < deadline:
-                click += 1
-                path = Path(folder) / f"page{session}-{click}.png"
-                path.write_bytes(varied_image(image, 1_000_000 * (session + 1) + click) if vary else image)
-                try:
-                    result = page.predict(handle_file(str(path)), question, "", "", max_tokens, api_name="/compare")
-                    ok = bool(result["full"]["token_ids"]) and bool(result["pop"]["token_ids"])
-                    error = None if ok else f"page {session}: a click without an answer: {str(result)[:200]}"
-                except Exception as err:  # noqa: BLE001 - any failure of a click is counted, not raised
-                    ok, error = False, f"page {session}: {type(err).__name__}: {err}"
-                with lock:
-                    if ok:
-                        report.page_clicks_answered += 1
-                        report.page_clicks_per_replica[home] = report.page_clicks_per_replica.get(home, 0) + 1
-                    else:
-                        report.page_clicks_failed += 1
-                        report.errors.append(error)
-
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
-    threads += [threading.Thread(target=page_loop, args=(i,), daemon=True) for i in range(pages)]
+    load = _Load(url, report, time.monotonic() + seconds, max_requests, max_tokens, image, question, timeout_s, vary)
+    threads = [threading.Thread(target=load.api_client, daemon=True) for _ in range(clients)]
+    threads += [threading.Thread(target=load.page_session, args=(i,), daemon=True) for i in range(pages)]
     started = time.monotonic()
     for thread in threads:
         thread.start()
@@ -216,6 +147,100 @@ def run_load(url: str, clients: int = 8, seconds: float = 30.0, *, max_requests:
     report.seconds = time.monotonic() - started
     report.memory_after_bytes = server_memory(url)
     return report
+
+
+@dataclass
+class _Load:
+    """What the load's threads share: where to send, until when, and the report they fill in (under `lock`)."""
+
+    url: str
+    report: LoadReport
+    deadline: float
+    max_requests: int
+    max_tokens: int
+    image: bytes | None
+    question: str
+    timeout_s: float
+    vary: bool
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def api_client(self) -> None:
+        """One API client: requests one after the other until the time or the request budget is spent."""
+        report, endpoint = self.report, self.url.rstrip("/") + "/v1/chat/completions"
+        fixed_body = json.dumps(request_body(self.image, self.max_tokens, self.question))
+        with httpx.Client(timeout=self.timeout_s) as http:
+            while time.monotonic() < self.deadline:
+                with self.lock:
+                    if report.sent >= self.max_requests:
+                        return
+                    report.sent += 1
+                    index = report.sent
+                body = fixed_body
+                if self.vary and self.image is not None:
+                    body = json.dumps(request_body(varied_image(self.image, index), self.max_tokens, self.question))
+                start = time.monotonic()
+                try:
+                    response = http.post(endpoint, content=body, headers={"content-type": "application/json"})
+                except httpx.HTTPError as err:
+                    with self.lock:
+                        report.lost += 1
+                        report.errors.append(f"lost: {type(err).__name__}: {err}")
+                    continue
+                self._count_api(response, time.monotonic() - start)
+
+    def _count_api(self, response: httpx.Response, elapsed: float) -> None:
+        report = self.report
+        with self.lock:
+            if response.status_code == 200 and _has_answer(response):
+                report.answered += 1
+                report.latencies_s.append(elapsed)
+                replica = response.headers.get("x-pop-vlm-replica", "?")
+                report.api_answers_per_replica[replica] = report.api_answers_per_replica.get(replica, 0) + 1
+            elif response.status_code in (429, 503):
+                report.refused += 1
+            else:
+                report.failed += 1
+                report.errors.append(f"failed: HTTP {response.status_code}: {response.text[:200]}")
+
+    def page_session(self, session: int) -> None:
+        """One web-page session (a Gradio client with its own cookies, as a browser tab) clicking "compare"."""
+        import tempfile
+
+        from gradio_client import Client
+
+        try:
+            page = Client(self.url.rstrip("/") + "/", verbose=False)
+        except Exception as err:  # noqa: BLE001 - the page did not even load: every click of it fails
+            with self.lock:
+                self.report.page_clicks_failed += 1
+                self.report.errors.append(f"page {session} did not load: {type(err).__name__}: {err}")
+            return
+        home = page.cookies.get("pop_vlm_replica", "?")
+        with tempfile.TemporaryDirectory() as folder:
+            click = 0
+            while time.monotonic() < self.deadline:
+                click += 1
+                path = Path(folder) / f"page{session}-{click}.png"
+                path.write_bytes(varied_image(self.image, 1_000_000 * (session + 1) + click) if self.vary else self.image)
+                ok, error = self._click(page, path, session)
+                with self.lock:
+                    if ok:
+                        self.report.page_clicks_answered += 1
+                        self.report.page_clicks_per_replica[home] = self.report.page_clicks_per_replica.get(home, 0) + 1
+                    else:
+                        self.report.page_clicks_failed += 1
+                        self.report.errors.append(error)
+
+    def _click(self, page, path: Path, session: int) -> tuple[bool, str | None]:
+        from gradio_client import handle_file
+
+        try:
+            result = page.predict(handle_file(str(path)), self.question, "", "", self.max_tokens, api_name="/compare")
+        except Exception as err:  # noqa: BLE001 - any failure of a click is counted, not raised
+            return False, f"page {session}: {type(err).__name__}: {err}"
+        if bool(result["full"]["token_ids"]) and bool(result["pop"]["token_ids"]):
+            return True, None
+        return False, f"page {session}: a click without an answer: {str(result)[:200]}"
 
 
 def _has_answer(response: httpx.Response) -> bool:

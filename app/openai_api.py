@@ -10,9 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from pop_vlm import PopConfig
+from pop_vlm.config import parse_prune_layers
 
 from .limits import Limits
-from .ui import parse_prune_layers
 
 
 class APIError(Exception):

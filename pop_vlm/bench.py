@@ -9,7 +9,6 @@ speedups are ratios of medians (and of minimums) measured in the same run.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,8 @@ from .families import adapter_class_for, detect_family
 from .flops import DecoderShape, flop_limit, prefill_flops
 from .generate import GenerationResult, Timings, generate_tokens
 from .memory import PeakWatcher, machine_description, tune_malloc
+from .report import Column, ms, text_table, write_json
+from .report import summary_line as report_summary_line
 
 
 @dataclass
@@ -272,8 +273,18 @@ def point_rows(arch: str, point: Point, samples: dict[str, Samples], modes, shap
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
-def _mib(n: int) -> str:
-    return f"{n / 2 ** 20:.0f}"
+BENCH_COLUMNS = (
+    Column("tokens", lambda r: r["tokens"], 6), Column("image", lambda r: r["image_size"] or "-", 5),
+    Column("vis tok", lambda r: r["vision_tokens"], 7), Column("mode", lambda r: r["mode"], 6, left=True),
+    Column("preproc", ms("preprocess_s"), 7), Column("vision", ms("vision_s"), 7), Column("prefill", ms("prefill_s"), 8),
+    Column("1st tok", ms("first_token_s"), 7), Column("LM", ms("lm_s"), 8), Column("LM min", ms("lm_min_s"), 8),
+    Column("TTFT", ms("ttft_s"), 8), Column("speedup", lambda r: f"{r['speedup']:.3f}x", 7),
+    Column("(min)", lambda r: f"{r['speedup_min']:.3f}x", 6), Column("limit", lambda r: f"{r['flop_limit']:.3f}x", 6),
+    Column("of lim", lambda r: f"{r['fraction_of_limit'] * 100:.1f}%", 6),
+    Column("peak MiB", lambda r: f"{r['peak_memory_bytes'] / 2 ** 20:.0f}", 8),
+)
+SUMMARY_KEYS = ("arch", "tokens", "image_size", "vision_tokens", "mode", "prefill_s", "first_token_s", "lm_s", "ttft_s",
+                "speedup", "speedup_min", "flop_limit", "fraction_of_limit", "peak_memory_bytes")
 
 
 def format_table(report: dict) -> str:
@@ -281,39 +292,22 @@ def format_table(report: dict) -> str:
     head = (f"{meta['arch']} ({meta['hub_id']} shape, scale {meta['scale']}, {meta['num_layers']} layers, "
             f"k={meta['prune_layers']}, {meta['dtype']}, {meta['device']}, {meta['threads']} thread(s), {meta['clock']} clock, "
             f"{meta['repeats']} repeats; times are medians, ms)")
-    cols = (f"{'tokens':>7}{'image':>6}{'vis tok':>8} {'mode':<7}{'preproc':>8}{'vision':>8}{'prefill':>9}{'1st tok':>8}"
-            f"{'LM':>9}{'LM min':>9}{'TTFT':>9}{'speedup':>8}{'(min)':>7}{'limit':>7}{'of lim':>7}{'peak MiB':>9}")
-    lines = [head, cols, "-" * len(cols)]
-    for r in report["points"]:
-        lines.append(
-            f"{r['tokens']:>7}{r['image_size'] or '-':>6}{r['vision_tokens']:>8} {r['mode']:<7}"
-            f"{r['preprocess_s'] * 1e3:>8.1f}{r['vision_s'] * 1e3:>8.1f}{r['prefill_s'] * 1e3:>9.1f}"
-            f"{r['first_token_s'] * 1e3:>8.1f}{r['lm_s'] * 1e3:>9.1f}{r['lm_min_s'] * 1e3:>9.1f}{r['ttft_s'] * 1e3:>9.1f}"
-            f"{r['speedup']:>7.3f}x{r['speedup_min']:>6.3f}x{r['flop_limit']:>6.3f}x{r['fraction_of_limit'] * 100:>6.1f}%"
-            f"{_mib(r['peak_memory_bytes']):>9}"
-        )
-    lines.append("speedup: LM time (prefill + first token) of full over the mode; limit: the FLOP count's; "
-                 "peak: memory in use above the model's weights during the request")
-    return "\n".join(lines)
+    return "\n".join([head, *text_table(BENCH_COLUMNS, report["points"]),
+                      "speedup: LM time (prefill + first token) of full over the mode; limit: the FLOP count's; "
+                      "peak: memory in use above the model's weights during the request"])
 
 
 def write_outputs(report: dict, out: str | os.PathLike) -> list[Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = report["meta"]
     stem = f"bench-{meta['arch']}-s{meta['scale']}-{meta['device'].split(':')[0]}"
-    json_path = out / f"{stem}.json"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    png_path = out / f"{stem}.png"
+    json_path = write_json(report, Path(out) / f"{stem}.json")
+    png_path = Path(out) / f"{stem}.png"
     plots.bench_speedups(report, png_path)
     return [json_path, png_path]
 
 
 def summary_line(report: dict) -> str:
-    keys = ("arch", "tokens", "image_size", "vision_tokens", "mode", "prefill_s", "first_token_s", "lm_s", "ttft_s",
-            "speedup", "speedup_min", "flop_limit", "fraction_of_limit", "peak_memory_bytes")
-    points = [{k: (round(r[k], 6) if isinstance(r[k], float) else r[k]) for k in keys} for r in report["points"]]
-    return json.dumps({"meta": report["meta"], "points": points})
+    return report_summary_line(report, "points", SUMMARY_KEYS)
 
 
 def cmd_bench(args) -> int:

@@ -69,6 +69,26 @@ class PopConfig:
         return tuple(range(num_layers - k, num_layers))
 
 
+def parse_prune_layers(value) -> PruneSpec:
+    """A user's k, as typed on a command line, in a form field or in a JSON body: 'auto', an int k, a fraction of
+    the layer count such as 0.33 (as a number or as text), or empty / None for the default (L/3). Range checks are
+    `PopConfig.num_pruned`'s, once the model's layer count is known."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return PopConfig().prune_layers
+    if isinstance(value, bool):
+        raise ValueError(f"prune_layers must be a layer count, a fraction of the layers, or 'auto'; got {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value) if float(value).is_integer() else float(value)
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"prune_layers must be a layer count, a fraction of the layers, or 'auto'; got {value!r}") from None
+    return int(number) if number.is_integer() else number
+
+
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")

@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -28,7 +27,9 @@ import torch
 
 import pop_vlm
 from pop_vlm import shapes
-from pop_vlm.memory import machine_description, tune_malloc
+from pop_vlm.bench import environment
+from pop_vlm.memory import tune_malloc
+from pop_vlm.report import Column, command_line, markdown_table, ms, write_json
 from pop_vlm.config import PopConfig
 from pop_vlm.evaluate import Variant, fidelity
 from pop_vlm.generate import GenerationResult, Timings, generate_tokens
@@ -143,17 +144,30 @@ def vlm_part(n_records: int | None = None, seed: int = 0, max_new_tokens: int = 
 
 
 # ---- output -------------------------------------------------------------------------------------------------------
+TEXT_COLUMNS = (
+    Column("setting", lambda r: r["mode"] if r["mode"] != "pop" else f"pop, full_tail={r['full_tail']}"),
+    Column("agreement", lambda r: f"{r['agreement']:.3f}"),
+    Column("first-token agreement", lambda r: f"{r['first_token_agreement']:.3f}"),
+    Column("KL first (nats)", lambda r: f"{r['kl_first']:.4f}"), Column("KL mean (nats)", lambda r: f"{r['kl_mean']:.4f}"),
+    Column("LM ms (median)", lambda r: f"{r['lm_s'] * 1e3:.0f}"), Column("LM ms (min)", lambda r: f"{r['lm_min_s'] * 1e3:.0f}"),
+    Column("LM speedup", lambda r: f"{r['lm_speedup']:.2f}x"),
+)
+
+
+def vlm_columns(n: int) -> tuple[Column, ...]:
+    return (Column("setting", lambda r: r["setting"]),
+            Column("exact match", lambda r: f"{r['accuracy']:.3f} ({r['correct']}/{n})"),
+            Column("vision ms", ms("vision_s")), Column("prefill ms", ms("prefill_s")),
+            Column("first token ms", ms("first_token_s")), Column("TTFT ms (median)", ms("ttft_s")),
+            Column("TTFT ms (min)", ms("ttft_min_s")), Column("TTFT speedup", lambda r: f"{r['ttft_speedup']:.2f}x"))
+
+
 def text_table(part: dict) -> str:
     lines = [f"{part['model']}: k = {part['k']} of {part['num_layers']}, {part['n_prompts']} prompts of "
              f"{part['prompt_tokens']} tokens, {part['continuation']}-token greedy continuation of the full model; "
              f"LM time at one {part['prompt_tokens']}-token prompt, {part['timing_repeats']} repeats",
-             "", "| setting | agreement | first-token agreement | KL first (nats) | KL mean (nats) | "
-             "LM ms (median) | LM ms (min) | LM speedup |", "|---|---|---|---|---|---|---|---|"]
-    for r in part["rows"]:
-        label = r["mode"] if r["mode"] != "pop" else f"pop, full_tail={r['full_tail']}"
-        lines.append(f"| {label} | {r['agreement']:.3f} | {r['first_token_agreement']:.3f} | {r['kl_first']:.4f} | "
-                     f"{r['kl_mean']:.4f} | {r['lm_s'] * 1e3:.0f} | {r['lm_min_s'] * 1e3:.0f} | {r['lm_speedup']:.2f}x |")
-    return "\n".join(lines)
+             ""]
+    return "\n".join(lines + markdown_table(TEXT_COLUMNS, part["rows"]))
 
 
 def vlm_table(part: dict) -> str:
@@ -162,13 +176,8 @@ def vlm_table(part: dict) -> str:
              f"tokens ({part['vision_tokens']['min']}–{part['vision_tokens']['max']} vision tokens); the text tail "
              f"(after the last image token) is {part['text_tail_tokens']['min']}–{part['text_tail_tokens']['max']} "
              f"tokens; TTFT = vision + prefill + first token, median over records",
-             "", "| setting | exact match | vision ms | prefill ms | first token ms | TTFT ms (median) | TTFT ms (min) | "
-             "TTFT speedup |", "|---|---|---|---|---|---|---|---|"]
-    for r in part["rows"]:
-        lines.append(f"| {r['setting']} | {r['accuracy']:.3f} ({r['correct']}/{part['n']}) | {r['vision_s'] * 1e3:.1f} | "
-                     f"{r['prefill_s'] * 1e3:.1f} | {r['first_token_s'] * 1e3:.1f} | {r['ttft_s'] * 1e3:.1f} | "
-                     f"{r['ttft_min_s'] * 1e3:.1f} | {r['ttft_speedup']:.2f}x |")
-    return "\n".join(lines)
+             ""]
+    return "\n".join(lines + markdown_table(vlm_columns(part["n"]), part["rows"]))
 
 
 def main(argv=None) -> int:
@@ -189,11 +198,8 @@ def main(argv=None) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     parts = [p for p in args.parts.split(",") if p]
     report = {"meta": {
-        "command": "PYTHONPATH=. python scripts/eval_full_tail.py " + " ".join(
-            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "machine": machine_description(torch.device("cpu")), "threads": 1, "clock": "thread CPU time",
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dtype": "float32"}}
+        "command": command_line("scripts/eval_full_tail.py", argv), "threads": 1, "clock": "thread CPU time",
+        **environment(torch.device("cpu")), "dtype": "float32"}}
     if "text" in parts:
         report["text"] = text_part(tails=[int(x) for x in args.tails.split(",")], n_prompts=args.n_prompts,
                                    prompt_tokens=args.prompt_tokens, continuation=args.continuation,
@@ -203,10 +209,8 @@ def main(argv=None) -> int:
         report["vlm"] = vlm_part(n_records=args.records or None, seed=args.seed, log=log)
         print(vlm_table(report["vlm"]) + "\n", flush=True)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / ("full_tail.json" if parts == ["text", "vlm"] else f"full_tail-{'-'.join(parts)}.json")
-        path.write_text(json.dumps(report, indent=1) + "\n")
+        name = "full_tail.json" if parts == ["text", "vlm"] else f"full_tail-{'-'.join(parts)}.json"
+        path = write_json(report, Path(args.out) / name)
         print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(report), flush=True)
     return 0

@@ -1,4 +1,13 @@
-"""The invariants of DESIGN.md on every supported family, with tiny random models of the real classes."""
+"""The engine's invariants on every supported family, with tiny random models of the real classes:
+
+- `mode="pop"` with k = 0 gives exactly what `mode="full"` gives, and greedy `mode="full"` gives exactly what
+  `model.generate` gives;
+- after a POP prefill every layer's KV cache covers the prompt positions, and a skipped layer's entries equal its
+  K/V projection of the last kept layer's output;
+- the first generated token comes from all L layers (the boundary), unless `boundary=False`;
+- `static` is the model with the k layers deleted; the fused K/V projection equals the per-layer one.
+(tests/test_tail.py: the boundary token's pass through the kept layers rides with the prefill.)
+"""
 from __future__ import annotations
 
 import copy

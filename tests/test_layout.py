@@ -82,3 +82,10 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__, fromlist=["PACKAGE"]), "PACKAGE", package)
     graph = import_graph()
     assert "pop_vlm.b" in graph["pop_vlm.a"] and "pop_vlm.a" in graph["pop_vlm.b"]
+
+
+def test_serve_comes_from_the_app_through_an_entry_point():
+    from pop_vlm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "shapes-qwen3-vl"])
+    assert args.func.__module__ == "app.cli"
