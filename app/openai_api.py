@@ -173,7 +173,7 @@ def _sampling(body, limits: Limits, max_tokens, default_max_tokens: int, max_tok
                 stop=[body.stop] if isinstance(body.stop, str) else body.stop)
 
 
-def _common(body, limits: Limits, **fields) -> GenerationRequest:
+def _common(body, **fields) -> GenerationRequest:
     pop = body.pop
     return GenerationRequest(
         model=body.model, stream=bool(body.stream), n=body.n or 1, mode=pop.mode if pop else "pop",
@@ -188,7 +188,7 @@ def parse_request(body, policy: ImageFetchPolicy, limits: Limits | None = None) 
         body = validate(ChatCompletionRequest, body)
     which = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _common(body, limits,
+    return _common(body,
                    messages=[_convert_message(m, i, policy, limits) for i, m in enumerate(body.messages)],
                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                    generation=_sampling(body, limits, max_tokens, 128, which))
@@ -207,7 +207,7 @@ def parse_completion_request(body, limits: Limits | None = None) -> GenerationRe
         if len(prompt) > limits.max_question_chars:
             raise APIError(400, f"'{where}' has {len(prompt)} characters; the limit is {limits.max_question_chars}",
                            param=where)
-    return _common(body, limits, prompts=prompts, logprobs=body.logprobs,
+    return _common(body, prompts=prompts, logprobs=body.logprobs,
                    generation=_sampling(body, limits, body.max_tokens, 16, "max_tokens"))
 
 
