@@ -93,7 +93,9 @@ def _message(error: dict, param: str | None) -> str:
         return f"{name} needs a 'type'"
     if error["msg"].startswith("must"):
         return f"{name} {error['msg']}"
-    return error["msg"] if param is None or param.split(".")[-1].split("[")[0] in error["msg"] else f"{name}: {error['msg']}"
+    if param is None or param.split(".")[-1].split("[")[0] in error["msg"]:
+        return error["msg"]
+    return f"{name}: {error['msg']}"
 
 
 def error_from_validation(errors, prefix: tuple = ()) -> APIError:

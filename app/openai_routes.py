@@ -21,7 +21,8 @@ from .openai_api import (APIError, GenerationRequest, ImageFetchPolicy, error_fr
                          parse_completion_request, parse_request)
 from .openai_responses import (Logprobs, chat_body, chat_events, completion_body, completion_events, completion_id,
                                run_all)
-from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelCard,
+                      ModelList)
 
 API_PREFIX = "/v1/"
 log = logging.getLogger(__name__)

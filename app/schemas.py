@@ -28,8 +28,8 @@ Penalty = _number(-2, 2, doc="OpenAI's presence/frequency penalty, applied in th
 Seed = _integer(-(2**63), 2**63 - 1, doc="makes sampling repeatable")
 MaxTokens = _integer(1, doc="at most the server's --max-new-tokens-cap")
 Choices = _integer(1, 8, doc="how many answers; the prompt is prefilled once for all of them")
-StopStrings = Union[Annotated[str, Field(strict=True, min_length=1)],
-                    Annotated[list[Annotated[str, Field(strict=True, min_length=1)]], Field(min_length=1, max_length=4)]]
+StopString = Annotated[str, Field(strict=True, min_length=1)]
+StopStrings = Union[StopString, Annotated[list[StopString], Field(min_length=1, max_length=4)]]
 
 #: OpenAI request fields this server does not implement: refused (when set to anything but null or empty) rather
 #: than ignored, since ignoring them would give a client a wrong answer with no error

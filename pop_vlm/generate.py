@@ -284,7 +284,8 @@ def generate_choices(
     check_max_new_tokens(max_new_tokens)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
-    if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0):
+    if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
+                                     or top_logprobs < 0):
         raise ValueError(f"top_logprobs must be a non-negative integer, got {top_logprobs!r}")
     if stop and decode is None:
         raise ValueError("stop strings need a decode function")

@@ -60,7 +60,8 @@ def write_task(folder: Path, name: str, mode: str, prune_layers) -> None:
     """A local lm-eval task; the `pop` extension rides in generation_kwargs, which lm-eval puts in each request."""
     files = {"train": CAPITALS[:FEW_SHOT], "test": CAPITALS[FEW_SHOT:]}
     for split, rows in files.items():
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"country": c, "capital": a}) + "\n" for c, a in rows))
+        lines = [json.dumps({"country": c, "capital": a}) + "\n" for c, a in rows]
+        (folder / f"{split}.jsonl").write_text("".join(lines))
     pop = {"mode": mode} if mode == "full" else {"mode": mode, "prune_layers": prune_layers}
     task = {
         "task": name, "dataset_path": "json",

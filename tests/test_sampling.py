@@ -128,7 +128,8 @@ def test_pop_first_token_logprobs_come_from_the_boundary_step(pipelines, picture
         first[label] = answer.logprobs[0].top
     assert [t for t, _ in first["pop-k0"]] == [t for t, _ in first["full"]]
     assert [v for _, v in first["pop-k0"]] == pytest.approx([v for _, v in first["full"]], abs=1e-4)
-    assert [v for _, v in first["pop"]] != pytest.approx([v for _, v in first["no-boundary"]], abs=1e-4)  # the boundary step's full-model logits, not the pruned stack's
+    # the boundary step's full-model logits, not the pruned stack's
+    assert [v for _, v in first["pop"]] != pytest.approx([v for _, v in first["no-boundary"]], abs=1e-4)
 
 
 # ---- penalties ----------------------------------------------------------------------------------------------------
