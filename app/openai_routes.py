@@ -21,7 +21,7 @@ from .openai_api import (APIError, GenerationRequest, ImageFetchPolicy, error_fr
                          parse_completion_request, parse_request)
 from .openai_responses import (Logprobs, chat_body, chat_events, completion_body, completion_events, completion_id,
                                run_all)
-from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelCard,
+from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse, ModelCard,
                       ModelList)
 
 API_PREFIX = "/v1/"
@@ -35,9 +35,15 @@ def errors(*statuses: int) -> dict:
 
 
 def streamed(chunk_model) -> dict:
-    """The 200 response: JSON, or with `stream: true` server-sent events of `chunk_model` objects."""
+    """The 200 response: JSON, or with `stream: true` server-sent events (OpenAPI 3.1: the schema is one event's)."""
+    data = {"anyOf": [
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": f"#/components/schemas/{chunk_model.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}},
+        {"const": "[DONE]"}],
+        "description": f"a {chunk_model.__name__} as JSON, the last event [DONE]; a failure after the stream has begun "
+                       "is sent as an ErrorResponse before [DONE]"}
     return {200: {"content": {"text/event-stream": {"schema": {
-        "type": "string", "description": f"lines 'data: <{chunk_model.__name__} JSON>', then 'data: [DONE]'"}}}}}
+        "type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}}}}}
 
 
 def add_openai_routes(api: FastAPI, manager: ModelManager, policy: ImageFetchPolicy) -> None:
@@ -81,7 +87,7 @@ def add_openai_routes(api: FastAPI, manager: ModelManager, policy: ImageFetchPol
         return model_card(model_id)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletion,
-              responses={**streamed(ChatCompletion), **errors(400, 404, 413, 429, 500, 503)})
+              responses={**streamed(ChatCompletionChunk), **errors(400, 404, 413, 429, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest):
         """OpenAI's chat completions, with `image_url` parts as data: URLs and the `pop` extension."""
         request = parse_request(body, policy, manager.limits)
@@ -169,9 +175,14 @@ def describe(api: FastAPI, manager: ModelManager) -> dict:
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
-        components = schema.get("components", {}).get("schemas", {})
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
+        chunk = ChatCompletionChunk.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(chunk.pop("$defs", {}))
+        components["ChatCompletionChunk"] = chunk
+        components.setdefault("ErrorResponse", ErrorResponse.model_json_schema(
+            ref_template="#/components/schemas/{model}"))
         for name in ("ChatCompletionRequest", "CompletionRequest"):
             for field in ("max_tokens", "max_completion_tokens"):
                 spec = components.get(name, {}).get("properties", {}).get(field)

@@ -151,8 +151,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         logits = apply_penalties(logits, counts, params)
     if not params.do_sample:
         return int(torch.argmax(logits))
-    logits = logits.float()
-    # shifted so the best logit is 0 first: dividing by a tiny temperature then gives -inf, never inf - inf = nan
+    # float64, shifted so the best logit is 0: dividing by a tiny temperature (which float32 would round to 0)
+    # then gives 0 and -inf, never inf - inf or 0 / 0 = nan
+    logits = logits.double()
     logits = (logits - logits.max()) / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]

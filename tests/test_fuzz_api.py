@@ -24,7 +24,7 @@ from app.server import create_app  # noqa: E402
 from .serving import LoopbackServer  # noqa: E402
 
 #: examples per operation: with answers of at most MAX_TOKENS tokens the whole run stays near a minute on 1 CPU
-EXAMPLES = 100
+EXAMPLES = 300
 MAX_TOKENS = 3
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]

@@ -159,3 +159,11 @@ def test_penalties_steer_the_loop(pipelines, picture, name, penalty, fewer_repea
         counts[token] += 1
     distinct, plain_distinct = len(set(answer.token_ids)), len(set(plain.token_ids))
     assert distinct > plain_distinct if fewer_repeats else distinct < plain_distinct
+
+
+def test_extreme_sampling_settings_still_sample():
+    """Found by the API fuzzer: temperatures and top_p values below float32's range made the probabilities nan."""
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    for temperature, top_p in [(5e-324, 1.0), (1.0, 5e-324), (5.6e-218, 5.6e-218), (1e-30, 0.5)]:
+        params = SamplingParams(do_sample=True, temperature=temperature, top_p=top_p)
+        assert sample_token(logits, params, torch.Generator().manual_seed(0)) == 1
