@@ -1,19 +1,18 @@
 """One server process: the OpenAI-style HTTP API and the Gradio page (mounted at /)."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 
 import gradio as gr
-from fastapi import FastAPI, Request
-from fastapi.concurrency import iterate_in_threadpool, run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from .auth import RequireAPIKey, page_login
-from .models import Busy, ModelError, ModelManager
-from .openai_api import APIError, ImageFetchPolicy, chunk, completion_id, finish_reason, parse_request, response_body
+from .models import ModelManager
+from .openai_api import ImageFetchPolicy
+from .openai_routes import add_openai_routes
 from .ui import asset_paths, build_demo
 
 
@@ -38,10 +37,6 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
         api.add_middleware(AddResponseHeader, name="set-cookie", skip_paths=API_PATHS,
                            value=f"{cookie_name}={cookie_value}; Path=/; HttpOnly; SameSite=Lax")
 
-    @api.exception_handler(APIError)
-    async def api_error(_, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
-
     @api.get("/healthz")
     def healthz():
         if not manager.ready.is_set():
@@ -54,41 +49,7 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
         return {"status": "ok", "model": manager.default, "device": str(pipe.device), "layers": pipe.num_layers,
                 "memory_rss_bytes": resident_memory_bytes()}
 
-    @api.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "pop-vlm"} for name in manager.choices()]}
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
-        if isinstance(body, dict):
-            served_model(manager, body.get("model"))  # before images are decoded or fetched
-        chat = parse_request(body, policy, manager.limits)
-        if not manager.ready.is_set():
-            raise APIError(503, "the model is still loading; retry shortly", kind="server_error", code="loading")
-        try:
-            pipe = await run_in_threadpool(manager.get, chat.model)
-        except ModelError as err:
-            raise APIError(404, str(err), param="model", code="model_not_found") from None
-        model_name = chat.model or manager.default
-        try:
-            pieces = await run_in_threadpool(
-                lambda: pipe.stream_chat(chat.messages, mode=chat.mode, pop=chat.pop_config, reuse_prefix=True,
-                                         time_limit_s=manager.limits.request_timeout_s, **chat.sampling))
-        except ValueError as err:
-            raise APIError(400, str(err), param="messages") from None
-        request_id = completion_id()
-        if chat.stream:
-            return StreamingResponse(iterate_in_threadpool(_sse(manager, pieces, request_id, model_name)),
-                                     media_type="text/event-stream")
-        try:
-            answer = await run_in_threadpool(_run_admitted, manager, pieces)
-        except Busy as err:
-            raise APIError(429, str(err), kind="rate_limit_error", code="busy") from None
-        return response_body(request_id, model_name, answer)
+    add_openai_routes(api, manager, policy)
 
     demo = build_demo(manager)
     demo.queue(max_size=queue_size, default_concurrency_limit=1)
@@ -105,16 +66,6 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
     return app
 
 
-def served_model(manager: ModelManager, name) -> str:
-    """The request's model if the operator serves it; 404 model_not_found otherwise, decided from the name alone."""
-    if name is not None and not isinstance(name, str):
-        raise APIError(400, "'model' must be a string", param="model")
-    try:
-        return manager.check_name(name)
-    except ModelError as err:
-        raise APIError(404, str(err), param="model", code="model_not_found") from None
-
-
 def page_events_waiting(demo: gr.Blocks) -> int:
     """Page clicks waiting in Gradio's queue (not yet running, so not yet admitted by the model manager). Gradio
     offers no public count; its queue's length is it."""
@@ -123,31 +74,6 @@ def page_events_waiting(demo: gr.Blocks) -> int:
         return len(queue) if queue is not None else 0
     except TypeError:
         return 0
-
-
-def _run_admitted(manager: ModelManager, pieces):
-    with manager.admitted():
-        answer = None
-        for answer in pieces:
-            pass
-        return answer
-
-
-def _sse(manager: ModelManager, pieces, request_id: str, model: str):
-    try:
-        with manager.admitted():
-            yield chunk(request_id, model, {"role": "assistant", "content": ""})
-            for piece in pieces:
-                if isinstance(piece, str):
-                    yield chunk(request_id, model, {"content": piece})
-                else:
-                    usage = {"prompt_tokens": piece.n_prompt_tokens, "completion_tokens": len(piece.token_ids),
-                             "total_tokens": piece.n_prompt_tokens + len(piece.token_ids)}
-                    yield chunk(request_id, model, {}, finish_reason(piece), usage=usage, timings=piece.timings.as_dict())
-    except Busy as err:
-        # the stream has started (headers are out): report the refusal as an error event, OpenAI-style
-        yield f"data: {json.dumps(APIError(429, str(err), kind='rate_limit_error', code='busy').body())}\n\n"
-    yield "data: [DONE]\n\n"
 
 
 REPLICA_HEADER = "x-pop-vlm-replica"

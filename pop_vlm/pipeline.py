@@ -12,9 +12,10 @@ from .chat import Conversation, PrefixCache, image_fingerprint
 from .config import PopConfig, check_max_new_tokens, check_mode
 from .families import adapter_class_for, detect_family
 from .families.base import Prompt
-from .generate import Answer, GenerationResult, SamplingParams, StageClock, Timings, generate_tokens
+from .generate import Answer, Choice, GenerationResult, SamplingParams, StageClock, Timings, generate_choices
 from .images import fit_image, load_image
 from .pop import make_plan
+from .textstream import Piece, check_stop
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
@@ -172,6 +173,19 @@ class Pipeline:
             inputs = self.tokenizer("\n".join(t for t in texts if t), return_tensors="pt")
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
+    def build_prompt_inputs(self, prompt: str) -> dict:
+        """Processor output for a raw prompt: the text as given, no chat template (the tokenizer still adds the
+        special tokens it always adds, such as a BOS token)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"the prompt must be a string, not {type(prompt).__name__}")
+        if self.is_multimodal:
+            inputs = self.processor(text=[prompt], return_tensors="pt")
+        else:
+            inputs = self.tokenizer(prompt, return_tensors="pt")
+        if inputs["input_ids"].shape[-1] == 0:
+            raise ValueError("the prompt is empty")
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
     # ---- answering -------------------------------------------------------------------------------------------
     def answer(self, image, question: str, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Answer:
         *_, answer = self.stream(image, question, mode=mode, pop=pop, **kwargs)
@@ -236,6 +250,13 @@ class Pipeline:
             for _ in stream:
                 pass
 
+    def stream_prompt(self, prompt: str, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Iterator:
+        """`stream` for a raw prompt, continued as written (see `build_prompt_inputs`)."""
+        check_mode(mode)
+        start = self.timer()
+        inputs = self.build_prompt_inputs(prompt)
+        return self._stream(inputs, mode, pop, preprocess_s=self.timer() - start, **kwargs)
+
     def generate(self, inputs: dict, mode: str = "pop", pop: PopConfig | None = None, **kwargs) -> Answer:
         """Answer for a processor's output (already built inputs)."""
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -253,17 +274,27 @@ class Pipeline:
 
     def _stream(self, inputs, mode, pop, *, preprocess_s: float = 0.0, max_new_tokens: int = 128,
                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None, output_scores: bool = False, time_limit_s: float | None = None,
-                reuse_prefix: bool = False, prepared: PreparedPrompt | None = None):
+                seed: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                stop=None, n: int = 1, logprobs: bool = False, top_logprobs: int = 0, output_scores: bool = False,
+                time_limit_s: float | None = None, reuse_prefix: bool = False, prepared: PreparedPrompt | None = None):
         """Check everything that can be checked before any model work, then return the generator.
 
+        `stop`: a string or strings that end an answer (not included in its text). `n`: how many answers, each
+        its own sample of the same prefilled prompt (streamed one after the other; each `Piece` names its
+        choice). `logprobs`: keep each token's log-probability and `top_logprobs` alternatives.
         With `reuse_prefix`, a cached conversation whose tokens begin this prompt (same images, mode and POP
         settings) is continued: only the new tokens are prefilled, and this turn is cached in turn. With `prepared`,
         the vision encoder's work is shared with the prepared prompt's other runs."""
         check_mode(mode)
         pop = pop if pop is not None else PopConfig()
-        sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         check_max_new_tokens(max_new_tokens)
+        stop = check_stop(stop)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be a non-negative integer, got {top_logprobs!r}")
         plan = make_plan(self.adapter, mode, pop, self.auto_k)  # a bad k or a protected layer fails here
         n_prompt = int(inputs["input_ids"].shape[-1])
         if self.context_length and n_prompt + max_new_tokens > self.context_length:
@@ -275,12 +306,14 @@ class Pipeline:
         if reuse_prefix and prepared is not None:
             raise ValueError("a prepared prompt is not continued from a cached conversation: use one or the other")
         if reuse_prefix:
-            key = (mode, plan.pruned, plan.kv_projection, plan.boundary, pop.full_tail, image_fingerprint(inputs, self.adapter.image_input_keys))
-        return self._generate_text(inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores,
-                                   time_limit_s, key, prepared)
+            key = (mode, plan.pruned, plan.kv_projection, plan.boundary, pop.full_tail,
+                   image_fingerprint(inputs, self.adapter.image_input_keys))
+        options = dict(mode=mode, pop=pop, n=n, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                       top_logprobs=top_logprobs if logprobs else None, output_scores=output_scores,
+                       time_limit_s=time_limit_s)
+        return self._generate_text(inputs, options, preprocess_s, key, prepared)
 
-    def _generate_text(self, inputs, mode, pop, sampling, preprocess_s, max_new_tokens, output_scores, time_limit_s,
-                       prefix_key, prepared=None):
+    def _generate_text(self, inputs, options: dict, preprocess_s: float, prefix_key, prepared=None):
         result = GenerationResult(timings=Timings(preprocess_s=preprocess_s))
         prompt_ids = inputs["input_ids"][0].tolist()
         cache, start, prompt = None, 0, None
@@ -290,37 +323,60 @@ class Pipeline:
             prompt = self._embedded(prepared)
             result.timings.vision_s = prepared.vision_s
         result.timings.n_cached_tokens = start
-        tokens = generate_tokens(
-            self.adapter, inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens, sampling=sampling,
-            eos_token_ids=self.eos_token_ids, output_scores=output_scores, result=result, auto_k=self.auto_k,
-            time_limit_s=time_limit_s, cache=cache, start=start, prompt=prompt, timer=self.timer,
+        tokens = generate_choices(
+            self.adapter, inputs, eos_token_ids=self.eos_token_ids, decode=self.decode, result=result,
+            auto_k=self.auto_k, cache=cache, start=start, prompt=prompt, timer=self.timer, **options,
         )
-        shown = ""
-        for _ in tokens:
-            text = self.decode(result.token_ids)
-            # hold back an incomplete multi-byte character until the next token completes it
-            if len(text) > len(shown) and not text.endswith("\ufffd"):
-                yield text[len(shown):]
-                shown = text
-        text = self.decode(result.token_ids)
-        if len(text) > len(shown):
-            yield text[len(shown):]
-        if prefix_key is not None:
-            self.prefix_cache.put(prefix_key, prompt_ids + result.token_ids[:-1], result.cache)
+        shown: dict[int, int] = {}  # per choice: characters and tokens already streamed
+
+        def pieces(index: int, final: bool = False):
+            choice = result.choices[index]
+            text = choice.text.visible(final)
+            chars, covered = shown.get(index, (0, 0))
+            if len(text) > chars:
+                now_covered = choice.text.tokens_covering(len(text))
+                logprobs = choice.logprobs[covered:now_covered] if choice.logprobs is not None else None
+                shown[index] = (len(text), now_covered)
+                yield Piece(text[chars:], index, logprobs)
+
+        current = 0
+        for index, _ in tokens:
+            if index != current:  # the previous choice is done: what it held back is final
+                yield from pieces(current, final=True)
+                current = index
+            yield from pieces(index)
+        yield from pieces(current, final=True)
+        last = result.choices[-1]
+        if prefix_key is not None and last.token_ids:
+            self.prefix_cache.put(prefix_key, prompt_ids + last.token_ids[:-1], result.cache)
+        choices = [self._choice(c) for c in result.choices]
+        first = choices[0]
         yield Answer(
-            text=text,
-            token_ids=list(result.token_ids),
-            mode=mode,
+            text=first.text,
+            token_ids=list(first.token_ids),
+            mode=options["mode"],
             pruned_layers=list(result.plan.pruned),
             n_prompt_tokens=result.prompt.length,
             n_image_tokens=result.prompt.n_image_tokens,
             timings=result.timings,
-            finish_reason=result.finish_reason,
-            scores=result.scores,
+            finish_reason=first.finish_reason,
+            scores=first.scores,
+            logprobs=first.logprobs,
+            choices=choices,
         )
+
+    @staticmethod
+    def _choice(choice) -> Choice:
+        text = choice.text.visible(final=True)
+        logprobs = choice.logprobs[: choice.text.tokens_covering(len(text))] if choice.logprobs is not None else None
+        return Choice(choice.index, text, list(choice.token_ids), choice.finish_reason, logprobs, choice.scores)
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (for log-probabilities)."""
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
     # ---- importance ------------------------------------------------------------------------------------------
     def importance(self, samples=None, *, budget: float | None = None, **kwargs):
