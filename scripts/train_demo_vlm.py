@@ -1,11 +1,8 @@
 #!/usr/bin/env python
-"""Train a bundled demo VLM from scratch on the synthetic shapes task (`pop_vlm.train`).
+"""Train a bundled demo VLM from scratch on the synthetic shapes task: a thin command over `pop_vlm.train`.
 
-Today's family is Qwen3-VL (`--family qwen3-vl`, the `shapes-qwen3-vl` model). Training is seeded and resumable:
-a checkpoint is written every few minutes to ``<cache>/train/<model name>/`` (``<cache>``: ``$POP_VLM_CACHE``,
-else ``$XDG_CACHE_HOME/pop-vlm``, else ``$HF_HOME/pop-vlm``, else ``~/.cache/pop-vlm``) and picked up again by
-the next run with the same output folder. The best model so far on a held-out set is exported every
-``--export-every`` minutes to ``assets/models/<model name>/`` with its model card and training curve.
+Seeded and resumable from the checkpoint in ``--out-dir`` (default ``<cache>/train/<model name>/``, ``<cache>`` as
+`pop_vlm.zoo.cache_dir` says); the best model on a held-out set is exported to ``assets/models/<model name>/``.
 
 Usage::
 
