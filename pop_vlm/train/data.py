@@ -128,12 +128,12 @@ class EvalSet:
             self.items.append((pixel_values, grid, question, answer))
 
     @classmethod
-    def validation(cls, size: int, enc) -> "EvalSet":
+    def validation(cls, size: int, enc) -> EvalSet:
         """The held-out validation scenes (model selection): seeds from VAL_SEED_START, every question type."""
         return cls(S.make_records(range(VAL_SEED_START, VAL_SEED_START + size), S.QTYPES), enc)
 
     @classmethod
-    def test(cls, size: int, enc) -> "EvalSet | None":
+    def test(cls, size: int, enc) -> EvalSet | None:
         """The first `size` records (0: all) of `assets/qa/shapes_test.jsonl`; None when there are none."""
         path = shapes_test_path()
         records = load_jsonl(path) if path.exists() else []

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .card import model_card
 from ..plots import training_curve
+from .card import model_card
 
 
 def export(family, model_state, config, processor, args, info: dict, curve: list, test_report: dict | None) -> float:
