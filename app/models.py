@@ -46,8 +46,7 @@ class Busy(RuntimeError):
 
 
 def importance_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pop-vlm" / "importance"
+    return zoo.cache_dir() / "importance"
 
 
 class ModelManager:

@@ -1,4 +1,5 @@
-"""Plots of the library's results, as PNG files: importance profiles, benchmark speedups, quality against k.
+"""Plots of the library's results, as PNG files: importance profiles, benchmark speedups, quality against k, the
+training curve of a demo model.
 Results stay plain data; matplotlib is imported here only, and only when a plot is drawn."""
 from __future__ import annotations
 
@@ -115,4 +116,29 @@ def quality_against_k(results: dict, path) -> None:
     fig.suptitle(f"{results['model']} ({results['num_layers']} layers): POP vs static removal")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def training_curve(curve: list[dict], path) -> None:
+    """A demo model's training: answer and vision-aux loss, and held-out accuracy by question type, against the
+    number of training images (`curve` as `pop_vlm.train` records it)."""
+    from .shapes import QTYPES
+
+    plt = pyplot()
+    evals = [c for c in curve if "val_accuracy" in c]
+    losses = [c for c in curve if "loss" in c]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot([c["images"] for c in losses], [c["loss"] for c in losses], label="answer loss")
+    ax[0].plot([c["images"] for c in losses], [c["aux_loss"] for c in losses], label="vision aux loss")
+    ax[0].set_xlabel("training images")
+    ax[0].set_yscale("log")
+    ax[0].legend()
+    ax[1].plot([c["images"] for c in evals], [c["val_accuracy"] for c in evals], label="all", lw=2)
+    for q in QTYPES:
+        ax[1].plot([c["images"] for c in evals], [c["val_by_qtype"].get(q, float("nan")) for c in evals], label=q)
+    ax[1].set_xlabel("training images")
+    ax[1].set_ylabel("held-out accuracy")
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -1,0 +1,112 @@
+"""The model card (`model_card.md`) written beside an exported demo model.
+
+The task, data, training and accuracy sections are shared; the family builder writes the introduction, the
+"Model" section and the loading lines of "Use".
+"""
+from __future__ import annotations
+
+from .. import shapes as S
+from .data import TRAIN_SEED_LIMIT, VAL_SEED_START
+
+
+def model_card(family, config, processor, args, info: dict, test_report: dict | None) -> str:
+    lines = [f"# {family.MODEL_NAME}", "", *family.card_intro(), ""]
+    lines += task_section() + data_section(args)
+    lines += ["## Model", "", *family.card_model(config, processor, args, info), ""]
+    lines += training_section(args, info)
+    if test_report:
+        lines += accuracy_section(test_report)
+    lines += use_section(family)
+    return "\n".join(lines)
+
+
+def task_section() -> list[str]:
+    return [
+        "## Task",
+        "",
+        "Canvases of 224-896 px per side (white, light grey or light noise background) with 1-4 non-overlapping",
+        "circles, squares and triangles in six colours, small (10-15% of the shorter side) or large (25-35%).",
+        "Questions (one-word answers): `What color is the {shape}?`, `What shape is the {color} object?`,",
+        "`How many shapes are there?`, `Is there a {color} {shape}?`, `Is the {color} {shape} on the left or",
+        "the right?`. Scoring: exact match after lower-casing and removing spaces and punctuation.",
+        "",
+    ]
+
+
+def data_section(args) -> list[str]:
+    return [
+        "## Data",
+        "",
+        f"Scenes are generated on the fly (training seeds < {TRAIN_SEED_LIMIT:,}; model selection on "
+        f"{args.val_size} held-out scenes with seeds from {VAL_SEED_START:,}; the test set "
+        "`assets/qa/shapes_test.jsonl` uses seeds >= 1,000,000,000). Curriculum: first up to 2 mostly large",
+        f"objects ({args.stage1_images:,} images), then up to 3 ({args.stage2_images:,}), then the full task. "
+        f"{args.questions_per_image} questions per image.",
+        "",
+    ]
+
+
+def training_section(args, info: dict) -> list[str]:
+    return [
+        "## Training",
+        "",
+        "```",
+        info["command"],
+        "```",
+        "",
+        f"Trained on {info['device']} ({info['threads']} thread(s)) for {info['total_minutes']:.0f} minutes and "
+        f"{info['total_images']:,} images by the time of this export. The exported weights are those with the best "
+        f"held-out accuracy ({info['val_accuracy']:.3f}), reached at step {info['step']:,} after {info['images']:,} "
+        f"images and {info['train_minutes']:.0f} minutes of training.",
+        "Loss: cross-entropy on the answer token and `<|im_end|>` only, plus two auxiliary losses whose small",
+        "heads are not exported: per merged vision token, the colour and shape of the object under it (or",
+        "background) and its canvas half, from the vision features; and at each colour or shape word of a",
+        "question, the number, side, colour and shape of the objects the phrase so far refers to, from the",
+        f"output of text layer {args.word_layer}.",
+        "AdamW, linear warm-up then cosine decay. `training_curve.json` holds the loss and held-out",
+        "accuracy over training.",
+        "",
+    ]
+
+
+def accuracy_section(report: dict) -> list[str]:
+    lines = [
+        f"## Accuracy on `assets/qa/shapes_test.jsonl` ({report['n']} questions, greedy)",
+        "",
+        f"Overall: **{report['accuracy']:.3f}**",
+        "",
+        "| question type | n | accuracy |",
+        "|---|---|---|",
+    ]
+    for q, acc in report["by_qtype"].items():
+        lines.append(f"| {q} | {report['n_by_qtype'][q]} | {acc:.3f} |")
+    lines += ["", "By canvas size (rows: height, columns: width):", ""]
+    lines.append("| h \\ w | " + " | ".join(str(w) for w in S.CANVAS_SIZES) + " | all |")
+    lines.append("|---" * (len(S.CANVAS_SIZES) + 2) + "|")
+    for h in S.CANVAS_SIZES:
+        cells = [report["by_canvas"].get(f"{w}x{h}", float("nan")) for w in S.CANVAS_SIZES]
+        lines.append(
+            f"| {h} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {report['by_height'].get(h, float('nan')):.2f} |"
+        )
+    lines.append(
+        "| all | " + " | ".join(f"{report['by_width'].get(w, float('nan')):.2f}" for w in S.CANVAS_SIZES) + " | |"
+    )
+    lines.append("")
+    return lines
+
+
+def use_section(family) -> list[str]:
+    return [
+        "## Use",
+        "",
+        "```python",
+        *family.card_use(),
+        "image, question, answer = shapes.sample_from_record(record)  # a line of shapes_test.jsonl",
+        'messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]',
+        "text = processor.apply_chat_template(messages, add_generation_prompt=True)",
+        'inputs = processor(text=[text], images=[image], return_tensors="pt")',
+        "out = model.generate(**inputs, max_new_tokens=4, do_sample=False)",
+        'pred = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)',
+        "```",
+        "",
+    ]

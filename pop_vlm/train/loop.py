@@ -1,0 +1,284 @@
+"""The training loop of the demo VLMs: seeded, resumable from its last checkpoint, on CPU or CUDA.
+
+Loss: cross-entropy on the answer token and the end-of-turn token after it, plus the probes of `heads` (vision
+features, question words); AdamW with linear warm-up then cosine decay, gradient clipping. Every few minutes it
+scores the held-out set, keeps the best weights, exports them and writes a checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import zoo
+from .data import EvalSet, make_batch, word_supervision
+from .export import export
+from .families import family as family_builder
+from .heads import AuxHeads, WordHeads
+
+
+def default_out_dir(model_name: str) -> Path:
+    return zoo.cache_dir() / "train" / model_name
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def log(msg: str, path: Path | None = None):
+    line = f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if path is not None:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+
+def save_checkpoint(path: Path, state: dict):
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def new_state() -> dict:
+    return dict(step=0, images=0, train_seconds=0.0, curve=[], best=None, best_acc=-1.0, best_info=None, exported_step=-1)
+
+
+class Trainer:
+    """One training run: the model, its probes and optimisers, the held-out sets and the run's state."""
+
+    def __init__(self, args, command: str | None = None):
+        self.args = args
+        self.family = family_builder(args.family)
+        self.command = command or "python scripts/train_demo_vlm.py " + " ".join(sys.argv[1:])
+        if args.export_dir is None:
+            args.export_dir = str(zoo.bundled_path(self.family.MODEL_NAME))
+        torch.set_num_threads(args.threads)
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(self.family.MODEL_NAME)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = None if args.profile else self.out_dir / "train.log"
+        self.ckpt_path = self.out_dir / "last.pt"
+        # The order of the random initialisations below fixes the weights a seed gives: keep it.
+        torch.manual_seed(args.seed)
+        self.processor = self.family.build_processor(args)
+        self.enc = self.family.Encoder(self.processor)
+        self.config = self.family.build_config(args, self.processor.tokenizer)
+        self.model = self.family.new_model(self.config).to(self.device)
+        width = self.family.text_width(self.config)
+        self.aux = AuxHeads(width).to(self.device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.opt = self._model_optimiser()
+        self.word_heads = WordHeads(width).to(self.device)
+        self.word_opt = torch.optim.AdamW(self.word_heads.parameters(), lr=args.lr, betas=(0.9, 0.98),
+                                          weight_decay=args.weight_decay)
+        self.probe_hidden = {}
+        self.family.text_layers(self.model)[args.word_layer].register_forward_hook(
+            lambda module, inputs, output: self.probe_hidden.__setitem__("h", output[0] if isinstance(output, tuple) else output)
+        )
+        self.family.prepare_for_training(self.model, self.processor, self.enc)
+        self.state = new_state()
+        self.val = self.test = None
+
+    def _model_optimiser(self):
+        """AdamW over the model and the vision probes; no weight decay on embeddings, norms and biases."""
+        named = list(self.model.named_parameters())
+        decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
+        no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
+        return torch.optim.AdamW(
+            [
+                {"params": decay + list(self.aux.parameters()), "weight_decay": self.args.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.args.lr,
+            betas=(0.9, 0.98),
+        )
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+    def resume_or_start(self):
+        if self.ckpt_path.exists() and not self.args.fresh and not self.args.profile:
+            ckpt = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+            self.model.load_state_dict(ckpt["model"])
+            self.aux.load_state_dict(ckpt["aux"])
+            if "word_heads" in ckpt:
+                self.word_heads.load_state_dict(ckpt["word_heads"])
+                self.word_opt.load_state_dict(ckpt["word_opt"])
+            self.opt.load_state_dict(ckpt["opt"])
+            self.state = ckpt["state"]
+            log(f"resumed from {self.ckpt_path} at step {self.state['step']} ({self.state['images']} images)", self.log_path)
+        else:
+            log(f"new run: {self.n_params:,} parameters; {self.command}", self.log_path)
+
+    def save(self):
+        save_checkpoint(self.ckpt_path, dict(
+            model=self.model.state_dict(), aux=self.aux.state_dict(), opt=self.opt.state_dict(), state=self.state,
+            word_heads=self.word_heads.state_dict(), word_opt=self.word_opt.state_dict(),
+        ))
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimiser step on the batch of the current step; returns its figures."""
+        args, enc, device, state = self.args, self.enc, self.device, self.state
+        t0 = time.time()
+        pixel_values, grid, seqs, aux_t, scenes = make_batch(state["step"], state["images"], enc, args)
+        t_data = time.time() - t0
+        input_ids, mask, position_ids, targets = enc.pack(self.model, grid, seqs, with_answer=True)
+        lr = lr_at(state["step"], args)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        hidden, vis_feats = enc.forward_hidden(
+            self.model, pixel_values.to(device), grid.to(device), input_ids.to(device), mask.to(device), position_ids.to(device)
+        )
+        logits = enc.answer_logits(self.model, hidden, targets, with_eos=True)
+        labels = torch.tensor([a for t in targets for a in t[2]], device=device)
+        answer_loss = F.cross_entropy(logits, labels)
+        aux_loss = self._aux_loss(torch.cat(vis_feats), aux_t)
+        word_loss = self._word_loss(seqs, targets, scenes)
+        loss = answer_loss + args.aux_weight * aux_loss + args.word_weight * word_loss
+        self.opt.zero_grad(set_to_none=True)
+        self.word_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        params = list(self.model.parameters()) + list(self.aux.parameters()) + list(self.word_heads.parameters())
+        torch.nn.utils.clip_grad_norm_(params, args.clip)
+        for group in self.word_opt.param_groups:
+            group["lr"] = lr
+        self.word_opt.step()
+        self.opt.step()
+        step_time = time.time() - t0
+        state["step"] += 1
+        state["images"] += args.images_per_step
+        state["train_seconds"] += step_time
+        return dict(
+            lr=lr, loss=answer_loss.item(), aux_loss=aux_loss.item(), word_loss=word_loss.item(),
+            acc=(logits[0::2].argmax(-1) == labels[0::2]).float().mean().item(), step_time=step_time,
+            data_time=t_data, tokens=int((input_ids != enc.pad_id).sum()), shape=tuple(input_ids.shape),
+            vision_tokens=[enc.n_tokens(g) for g in grid],
+        )
+
+    def _aux_loss(self, feats, aux_t):
+        c_logit, s_logit, h_logit = self.aux(feats)
+        c_t, s_t, h_t = (torch.cat([a[k] for a in aux_t]).to(self.device) for k in range(3))
+        return (
+            F.cross_entropy(c_logit.float(), c_t) + F.cross_entropy(s_logit.float(), s_t)
+            + 0.5 * F.cross_entropy(h_logit.float(), h_t)
+        )
+
+    def _word_loss(self, seqs, targets, scenes):
+        w_rows, w_cols, w_t = word_supervision(self.enc, seqs, targets, scenes)
+        w_logits = self.word_heads(self.probe_hidden["h"][w_rows, w_cols])
+        w_t = w_t.to(self.device)
+        return sum(F.cross_entropy(lg.float(), w_t[:, k]) for k, lg in enumerate(w_logits))
+
+    # ---- evaluation and export --------------------------------------------------------------------------------
+    def snapshot_info(self) -> dict:
+        return dict(command=self.command, step=self.state["step"], images=self.state["images"],
+                    train_minutes=self.state["train_seconds"] / 60, device=str(self.device), threads=self.args.threads,
+                    params=self.n_params)
+
+    def evaluate(self) -> dict:
+        """Score the held-out set, add it to the curve and keep the weights when they are the best so far."""
+        state = self.state
+        report = self.val.score(self.model)
+        state["curve"].append(dict(step=state["step"], images=state["images"], minutes=state["train_seconds"] / 60,
+                                   val_accuracy=report["accuracy"], val_by_qtype=report["by_qtype"]))
+        if report["accuracy"] > state["best_acc"]:
+            state["best_acc"] = report["accuracy"]
+            state["best"] = copy.deepcopy({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+            state["best_info"] = dict(self.snapshot_info(), val_accuracy=report["accuracy"], val_by_qtype=report["by_qtype"])
+        return report
+
+    def export_best(self):
+        """Export the best weights so far (scored on the test set first), unless they are exported already."""
+        state = self.state
+        if state["best"] is None or state["exported_step"] == state["best_info"]["step"]:
+            return
+        best_model = self.family.new_model(self.config)
+        best_model.load_state_dict(state["best"])
+        report = self.test.score(best_model) if self.test else None
+        info = dict(state["best_info"], total_minutes=state["train_seconds"] / 60, total_images=state["images"])
+        if report:
+            info["test_accuracy"] = report["accuracy"]
+            info["test_by_qtype"] = report["by_qtype"]
+        size = export(self.family, state["best"], self.config, self.processor, self.args, info, state["curve"], report)
+        state["exported_step"] = state["best_info"]["step"]
+        test_msg = f" test={report['accuracy']:.3f} {_rounded(report['by_qtype'])}" if report else ""
+        log(f"exported step {state['exported_step']} ({size:.1f} MB) to {self.args.export_dir};{test_msg}", self.log_path)
+
+    # ---- the run ----------------------------------------------------------------------------------------------
+    def _finished(self, start: float) -> bool:
+        args, step = self.args, self.state["step"]
+        if args.profile:
+            return step >= args.profile
+        if args.steps is not None and step >= args.steps:
+            return True
+        return time.time() - start > args.minutes * 60
+
+    def run(self) -> dict:
+        args = self.args
+        self.resume_or_start()
+        self.val = EvalSet.validation(args.val_size, self.enc)
+        self.test = EvalSet.test(args.test_size, self.enc) if not args.profile else None
+        self.model.train()
+        start = time.time()
+        last_eval = last_export = last_ckpt = time.time()
+        window = defaultdict(list)
+        while not self._finished(start):
+            m = self.train_step()
+            for key in ("loss", "aux_loss", "word_loss", "acc", "step_time", "data_time", "tokens"):
+                window[key].append(m[key])
+            if args.profile:
+                log(f"step {self.state['step']}: {m['step_time']:.3f}s (data {m['data_time']:.3f}s) "
+                    f"seq {torch.Size(m['shape'])} vision tokens {m['vision_tokens']} loss {m['loss']:.3f} "
+                    f"aux {m['aux_loss']:.3f}")
+                continue
+            if self.state["step"] % 25 == 0:
+                self._log_window(window, m["lr"])
+            if time.time() - last_eval > args.eval_every * 60:
+                self._evaluate_and_log()
+                last_eval = time.time()
+            if time.time() - last_export > args.export_every * 60:
+                self.export_best()
+                last_export = time.time()
+            if time.time() - last_ckpt > args.checkpoint_every * 60:
+                self.save()
+                last_ckpt = time.time()
+        if args.profile:
+            times = window["step_time"][1:] or window["step_time"]
+            log(f"mean step {np.mean(times):.3f}s, data {np.mean(window['data_time']):.3f}s, params {self.n_params:,}")
+            return self.state
+        self.evaluate()
+        self.save()
+        self.export_best()
+        log(f"done: step {self.state['step']}, best val {self.state['best_acc']:.3f}", self.log_path)
+        return self.state
+
+    def _log_window(self, window, lr: float):
+        state = self.state
+        m = {k: float(np.mean(v)) for k, v in window.items()}
+        state["curve"].append(dict(step=state["step"], images=state["images"], minutes=state["train_seconds"] / 60, lr=lr,
+                                   loss=m["loss"], aux_loss=m["aux_loss"], word_loss=m["word_loss"], train_acc=m["acc"]))
+        log(f"step {state['step']} img {state['images']} lr {lr:.2e} loss {m['loss']:.3f} aux {m['aux_loss']:.3f} "
+            f"word {m['word_loss']:.3f} train_acc {m['acc']:.3f} step {m['step_time']:.2f}s "
+            f"(data {m['data_time']:.2f}s, {m['tokens']:.0f} tok)", self.log_path)
+        window.clear()
+
+    def _evaluate_and_log(self):
+        t_eval = time.time()
+        report = self.evaluate()
+        log(f"eval step {self.state['step']}: val {report['accuracy']:.3f} {_rounded(report['by_qtype'])} "
+            f"(best {self.state['best_acc']:.3f}, {time.time() - t_eval:.0f}s)", self.log_path)
+
+
+def _rounded(by_qtype: dict) -> str:
+    return json.dumps({k: round(v, 3) for k, v in by_qtype.items()})

@@ -1,0 +1,92 @@
+"""The training package (`pop_vlm.train`): the demo tokenizer is the shipped one, runs are seeded, and a run resumed
+from its checkpoint ends where an uninterrupted one does; one cache folder rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pop_vlm import offline_tokenizers, shapes, zoo
+from pop_vlm.processors import load_qwen3_vl_processor
+from pop_vlm.train import options, qwen3_vl, train
+from pop_vlm.train.loop import default_out_dir
+
+MODEL = "shapes-qwen3-vl"
+TINY = ["--threads", "1", "--seed", "3", "--images-per-step", "2", "--questions-per-image", "2", "--text-layers", "2",
+        "--text-width", "64", "--text-ffn", "128", "--vision-layers", "2", "--vision-width", "64",
+        "--vision-pos-grid", "16", "--max-pixels", "16384", "--min-pixels", "4096", "--val-size", "2",
+        "--test-size", "2", "--word-layer", "1", "--warmup-steps", "2", "--eval-every", "100", "--export-every", "100"]
+
+
+def tiny_run(tmp_path, name: str, steps: int, *extra: str) -> dict:
+    args = options.parse_args([*TINY, "--steps", str(steps), "--out-dir", str(tmp_path / name),
+                               "--export-dir", str(tmp_path / f"{name}-export"), *extra])
+    train(args, command="test")
+    return torch.load(tmp_path / name / "last.pt", map_location="cpu", weights_only=False)
+
+
+def test_the_demo_tokenizer_and_template_are_the_shipped_ones():
+    shipped_dir = zoo.bundled_path(MODEL)
+    assert (shipped_dir / "config.json").is_file(), f"the bundled model is missing from {shipped_dir}"
+    shipped = load_qwen3_vl_processor(shipped_dir)
+    built = qwen3_vl.build_processor(options.parse_args([]))
+    assert built.tokenizer.get_vocab() == shipped.tokenizer.get_vocab()
+    assert offline_tokenizers.QWEN3_VL_CHAT_TEMPLATE == (shipped_dir / "chat_template.jinja").read_text()
+    scene = shapes.sample_scene(5)
+    for question, _, _ in shapes.questions(scene, 5):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        texts = [p.apply_chat_template(messages, add_generation_prompt=True) for p in (built, shipped)]
+        assert texts[0] == texts[1]
+        ids = [p(text=[texts[0]], images=[shapes.render(scene)], return_tensors="pt")["input_ids"] for p in (built, shipped)]
+        assert torch.equal(ids[0], ids[1])
+    assert built.tokenizer("What colour is the PURPLE blob?")["input_ids"] == shipped.tokenizer("What colour is the PURPLE blob?")["input_ids"]
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, capsys):
+    whole = tiny_run(tmp_path, "whole", 4)
+    tiny_run(tmp_path, "parts", 2)
+    parts = tiny_run(tmp_path, "parts", 4)
+    assert "resumed from" in capsys.readouterr().out
+    assert whole["state"]["step"] == parts["state"]["step"] == 4
+    # the resumed run carries the first part's final evaluation (step 2) in its curve: it did not start afresh
+    assert [c["step"] for c in parts["state"]["curve"] if "val_accuracy" in c] == [2, 4]
+    for key in ("model", "aux", "word_heads"):
+        for name, tensor in whole[key].items():
+            assert torch.equal(tensor, parts[key][name]), (key, name)
+    for key in ("opt", "word_opt"):
+        for index, state in whole[key]["state"].items():
+            assert all(torch.equal(t, parts[key]["state"][index][n]) for n, t in state.items())
+    export = tmp_path / "whole-export"
+    assert {"config.json", "model.safetensors", "model_card.md", "training_curve.json", "training_curve.png",
+            "chat_template.jinja"} <= {p.name for p in export.iterdir()}
+    reloaded = load_qwen3_vl_processor(export)
+    assert reloaded.tokenizer.get_vocab() == qwen3_vl.build_processor(options.parse_args(TINY)).tokenizer.get_vocab()
+
+
+def test_the_seed_decides_the_weights(tmp_path):
+    a, b = tiny_run(tmp_path, "a", 1), tiny_run(tmp_path, "b", 1, "--seed", "4")
+    assert not torch.equal(a["model"]["lm_head.weight"], b["model"]["lm_head.weight"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--family", "llava"], "invalid choice: 'llava'"),
+    (["--text-layers", "2", "--word-layer", "2"], "--word-layer must be between 0 and --text-layers - 1"),
+    (["--steps", "-1"], "--steps must be >= 0"),
+])
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_one_cache_folder_rule(tmp_path, monkeypatch):
+    from app.models import importance_cache_dir
+
+    monkeypatch.setenv("POP_VLM_CACHE", str(tmp_path / "cache"))
+    assert zoo.cache_dir() == tmp_path / "cache"
+    assert default_out_dir(MODEL) == tmp_path / "cache" / "train" / MODEL
+    assert importance_cache_dir() == tmp_path / "cache" / "importance"
+    monkeypatch.delenv("POP_VLM_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert importance_cache_dir() == tmp_path / "xdg" / "pop-vlm" / "importance"
+    assert default_out_dir(MODEL) == tmp_path / "xdg" / "pop-vlm" / "train" / MODEL
