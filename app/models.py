@@ -60,7 +60,7 @@ class ModelManager:
                  allowed_root: str | None = None, limits: Limits | None = None, trust_remote_code: bool = False,
                  served: Sequence[str] | None = None, allow_any: bool = False):
         served = list(dict.fromkeys(served or ()))
-        self.default = default or (served[0] if served else None) or pop_vlm.pipeline.default_model_name()
+        self.default = default or (served[0] if served else None) or pop_vlm.loading.default_model_name()
         self.served = served or demo_models()
         if self.default and self.default not in self.served:
             self.served.insert(0, self.default)

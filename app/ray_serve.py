@@ -211,7 +211,7 @@ def serve_from_cli(args) -> int:
     except ImportError:
         print("error: --ray needs Ray Serve: pip install 'pop-vlm[ray]' (or pip install -e '.[ray]')", file=sys.stderr)
         return 2
-    from pop_vlm.pipeline import default_model_name
+    from pop_vlm.loading import default_model_name
 
     from .auth import api_keys_from, exposure_warning
     from .models import served_models

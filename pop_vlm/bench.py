@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from . import archs, plots
 from .config import MODES, PopConfig
 from .families import adapter_class_for, detect_family
 from .flops import DecoderShape, flop_limit, prefill_flops
-from .generate import GenerationResult, Timings, generate_tokens
+from .generate import GenerationResult, generate_tokens
+from .results import Timings
 from .memory import PeakWatcher, machine_description, tune_malloc
 from .report import Column, ms, text_table, write_json
 from .report import summary_line as report_summary_line
@@ -58,6 +60,17 @@ class BenchConfig:
         if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
             raise ValueError("--clock cpu measures the calling thread: only for --device cpu --threads 1")
         return clock
+
+
+@contextmanager
+def denormals_flushed():
+    """Subnormal floats flushed to zero while measuring (random weights make some, and x86 computes with them
+    slowly); the setting is the processor's, for the whole process, so the default is restored after."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def clock_timer(clock: str):
@@ -193,7 +206,7 @@ def run_bench(config: BenchConfig | None = None, log=None) -> dict:
     """Run the benchmark; returns {"meta": ..., "points": [one row per (point, mode)]}."""
     config = config or BenchConfig()
     log = log or (lambda msg: None)
-    from .pipeline import resolve_device, resolve_dtype
+    from .loading import resolve_device, resolve_dtype
 
     dev = resolve_device(config.device)
     torch_dtype = resolve_dtype(config.dtype, dev)
@@ -207,7 +220,6 @@ def run_bench(config: BenchConfig | None = None, log=None) -> dict:
     if "full" not in modes:
         modes = ["full", *modes]  # speedups are measured against full in the same run
     tuned = tune_malloc() if (config.malloc_tuning and dev.type == "cpu") else False
-    torch.set_flush_denormal(True)
     vocab_size = resolve_vocab(config.vocab, config.scale)
     start = time.perf_counter()
     built = archs.build(config.arch, scale=config.scale, vocab=vocab_size, dtype=torch_dtype, device=dev)
@@ -224,8 +236,9 @@ def run_bench(config: BenchConfig | None = None, log=None) -> dict:
     rows = []
     for point in points:
         log(f"point: {point.text_tokens} text tokens" + (f", {point.image_size}px image" if point.image_size else ""))
-        samples = measure_point(adapter, requests, point, modes, pop, config.repeats, config.warmup,
-                                clock_timer(clock), log)
+        with denormals_flushed():
+            samples = measure_point(adapter, requests, point, modes, pop, config.repeats, config.warmup,
+                                    clock_timer(clock), log)
         rows += point_rows(config.arch, point, samples, modes, shape, k)
     meta = {
         "arch": config.arch, "hub_id": archs.ARCHS[config.arch]["hub_id"], "scale": config.scale,

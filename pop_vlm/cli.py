@@ -37,7 +37,7 @@ def format_timings(rows: list[tuple[str, object]]) -> str:
 
 
 def cmd_answer(args) -> int:
-    from .pipeline import default_model_name, load
+    from .loading import default_model_name, load
 
     name = args.model or default_model_name()
     if name is None:
@@ -69,7 +69,7 @@ def cmd_answer(args) -> int:
 def _load_for_study(args):
     import torch
 
-    from .pipeline import default_model_name, load
+    from .loading import default_model_name, load
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from . import archs
-from .bench import Point, Requests, clock_timer, environment, resolve_vocab
+from .bench import Point, Requests, clock_timer, denormals_flushed, environment, resolve_vocab
 from .config import PopConfig
 from .memory import tune_malloc
-from .pipeline import Pipeline, resolve_device, resolve_dtype
+from .loading import resolve_device, resolve_dtype
+from .pipeline import Pipeline
 from .report import Column, markdown_table, ms, text_table, write_json
 
 TURNS = ("first", "follow-up cached", "follow-up scratch")
@@ -45,7 +46,6 @@ def run_followup(arch: str = "qwen3-vl-2b", scale: float = 0.25, image_sizes=(44
     dev = resolve_device("cpu")
     dtype = resolve_dtype("auto", dev)  # fp32 on CPU
     tuned = tune_malloc()
-    torch.set_flush_denormal(True)
     start = time.perf_counter()
     built = archs.build(arch, scale=scale, vocab=resolve_vocab(vocab, scale), dtype=dtype, device=dev)
     if not built.is_multimodal:
@@ -60,8 +60,9 @@ def run_followup(arch: str = "qwen3-vl-2b", scale: float = 0.25, image_sizes=(44
     requests = Requests(built, dev)
     rows = []
     for size in image_sizes:
-        rows += _measure_size(pipe, requests, Point(text_tokens, size), modes, pop, answer_tokens,
-                              followup_tokens, repeats, warmup, log)
+        with denormals_flushed():
+            rows += _measure_size(pipe, requests, Point(text_tokens, size), modes, pop, answer_tokens,
+                                  followup_tokens, repeats, warmup, log)
     meta = {
         "arch": arch, "hub_id": archs.ARCHS[arch]["hub_id"], "scale": scale, "num_layers": pipe.num_layers,
         "prune_layers": k, "modes": list(modes), "image_sizes": list(image_sizes), "text_tokens": text_tokens,

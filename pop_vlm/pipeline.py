@@ -1,7 +1,7 @@
-"""Load a model and its processor, build inputs from (image, question), and answer with any mode."""
+"""A loaded model with its processor: inputs from (image, question) or a conversation, answered in any mode,
+streamed, prepared once for several modes, or continued from a cached conversation."""
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -10,58 +10,15 @@ import torch
 
 from .chat import Conversation, PrefixCache, image_fingerprint
 from .config import PopConfig, check_max_new_tokens, check_mode
-from .families import adapter_class_for, detect_family
+from .families import detect_family
 from .families.base import Prompt
-from .generate import Answer, Choice, GenerationResult, SamplingParams, StageClock, Timings, generate_choices
+from .generate import GenerationResult, StageClock, generate_choices
 from .images import fit_image, load_image
 from .pop import make_plan
+from .results import Answer, Choice, Timings
+from .sampling import SamplingParams
 from .textstream import Piece, check_stop
 
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype in (None, "auto"):
-        # bf16 on GPUs; fp32 on CPUs, where bf16 matrix multiplies are several times slower
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, bf16, fp16 or fp32")
-    return names[dtype]
-
-
-def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *, trust_remote_code: bool = False) -> "Pipeline":
-    """Load a hub id, a local folder, or a zoo name (see `pop_vlm.zoo`) into a `Pipeline`."""
-    import transformers
-    from transformers import AutoConfig
-
-    from . import zoo
-
-    path = zoo.resolve(name_or_path)
-    device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    architecture = (getattr(config, "architectures", None) or ["?"])[0]
-    family = adapter_class_for(architecture)  # a clear error for unsupported models, before any weights load
-    model_class = getattr(transformers, architecture)
-    model = model_class.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=family.attention_implementation(device, architecture),
-        trust_remote_code=trust_remote_code, use_safetensors=True,
-    ).to(device).eval()
-    processor = family.load_processor(path, architecture, trust_remote_code=trust_remote_code)
-    pipe = Pipeline(model, processor, name=name_or_path)
-    profile = os.path.join(path, "importance.json")
-    if os.path.isfile(profile):  # a shipped importance profile makes prune_layers="auto" work at once
-        from .importance import LayerImportance
-
-        pipe.auto_k = LayerImportance.from_json(profile).auto_k()
-    return pipe
 
 
 @dataclass
@@ -392,22 +349,3 @@ class Pipeline:
         profile = compute_importance(self, samples, budget=budget, **kwargs)
         self.auto_k = profile.auto_k(budget)
         return profile
-
-
-_DEFAULT: dict[str, Pipeline] = {}
-
-
-def default_model_name() -> str | None:
-    from . import zoo
-
-    return os.environ.get("POP_VLM_MODEL") or zoo.default_model()
-
-
-def answer(image, question: str, model: str | None = None, **kwargs) -> Answer:
-    """Answer a question about an image with a cached pipeline (the default model unless `model` is given)."""
-    name = model or default_model_name()
-    if name is None:
-        raise ValueError("no default model is available: pass model=... or set POP_VLM_MODEL")
-    if name not in _DEFAULT:
-        _DEFAULT[name] = load(name)
-    return _DEFAULT[name].answer(image, question, **kwargs)

@@ -32,7 +32,8 @@ from pop_vlm.memory import tune_malloc
 from pop_vlm.report import Column, command_line, markdown_table, ms, write_json
 from pop_vlm.config import PopConfig
 from pop_vlm.evaluate import Variant, fidelity
-from pop_vlm.generate import GenerationResult, Timings, generate_tokens
+from pop_vlm.generate import GenerationResult, generate_tokens
+from pop_vlm.results import Timings
 from pop_vlm.importance import text_passages
 from pop_vlm.pop import tail_length
 

@@ -135,7 +135,7 @@ def test_image_modes_become_rgb():
 
 def test_answer_needs_a_model_when_none_is_installed(monkeypatch):
     monkeypatch.delenv("POP_VLM_MODEL", raising=False)
-    monkeypatch.setattr(pop_vlm.pipeline, "default_model_name", lambda: None)
+    monkeypatch.setattr(pop_vlm.loading, "default_model_name", lambda: None)
     with pytest.raises(ValueError, match="POP_VLM_MODEL"):
         pop_vlm.answer(None, "hello")
 

@@ -123,3 +123,13 @@ def test_preallocated_cache_appends_in_place():
     cache.crop(-2)
     keys, _ = cache.update(k2, v2, 0)
     torch.testing.assert_close(keys, torch.cat([k[..., :4, :], k2], dim=-2))
+
+
+def test_a_benchmark_leaves_subnormal_floats_as_they_were(capsys):
+    """Flushing subnormals is processor state for the whole process: the benchmark restores the default."""
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float(tiny * 1.0) != 0.0  # representable before
+    assert cli.main(["bench", "--arch", "qwen3-vl-2b", "--scale", "0.03", "--tokens", "16", "--image-sizes", "",
+                     "--repeats", "1", "--warmup", "0", "--threads", "1", "--vocab", "512", "--quiet", "--json"]) == 0
+    capsys.readouterr()
+    assert float(tiny * 1.0) != 0.0  # and still after

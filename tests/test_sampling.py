@@ -7,7 +7,7 @@ import torch
 
 import pop_vlm.generate
 from pop_vlm import PopConfig, SamplingParams
-from pop_vlm.generate import apply_penalties, sample_token
+from pop_vlm.sampling import apply_penalties, sample_token
 from pop_vlm.textstream import DecodedText, held_back
 
 from .conftest import QUESTION, image_for
