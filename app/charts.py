@@ -29,6 +29,8 @@ def ttft_chart(history: list[dict]):
             if points:
                 past.plot(*zip(*points), marker="o", label=mode, color=COLORS[mode])
         past.set_xlabel("request")
+        past.set_xticks(range(1, len(history) + 1))  # whole requests, also when there is only one
+        past.set_xlim(0.5, len(history) + 0.5)
         past.set_title("this session", fontsize=9)
         past.legend(fontsize=7)
     fig.tight_layout()

@@ -190,14 +190,15 @@ class Pipeline:
             prepared.vision_s = clock.stages["vision"]
         return prepared.prompt
 
-    def warm_up(self, modes=("full", "pop"), max_new_tokens: int = 2) -> None:
+    def warm_up(self, modes=("full", "pop"), max_new_tokens: int = 2, image_side: int = 448) -> None:
         """One short request of each mode, so that the first real request does not pay one-time costs (lazy
-        allocations, kernel selection, the fused KV weights of the default k)."""
+        allocations, kernel selection for shapes like a real request's, the fused KV weights of the default k).
+        VLMs get a grey image of `image_side`² pixels (resized to the processor's budget like any upload)."""
         image = None
         if self.is_multimodal:
             from PIL import Image
 
-            image = Image.new("RGB", (64, 64), (128, 128, 128))
+            image = Image.new("RGB", (image_side, image_side), (128, 128, 128))
         prepared = self.prepare(image, "Hello")
         for mode in modes:
             try:

@@ -2,6 +2,7 @@
 Chromium (the first request of the server's life), the page saved as a PNG and the figures it shows printed.
 
     python scripts/screenshot_app.py --out docs/app.png [--image assets/images/shapes_1.png] [--question ...]
+        [--threads N] [--repeat]
 
 Needs Debian's chromium (`make browser`) and the test extra (playwright).
 """
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--image", default=str(ROOT / "assets" / "images" / "shapes_1.png"))
     parser.add_argument("--question", default="What color is the triangle?")
     parser.add_argument("--model", default=None, help="served model (default: the project's default model)")
+    parser.add_argument("--threads", type=int, help="the server's torch threads (default: torch's choice)")
+    parser.add_argument("--repeat", action="store_true", help="tick 'repeat 3x and take the median' before asking")
     args = parser.parse_args(argv)
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
     command = [sys.executable, "-m", "pop_vlm.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if args.model:
         command += ["--model", args.model]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
     server = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -68,6 +73,8 @@ def main(argv=None) -> int:
             page.wait_for_selector("#question textarea", timeout=60_000)
             page.set_input_files("#image input[type=file]", args.image)
             page.fill("#question textarea", args.question)
+            if args.repeat:
+                page.check("#repeat input[type=checkbox]")
             page.click("#run")
             page.wait_for_function("() => { const e = document.querySelector('#speedup'); "
                                    "return !!e && e.innerText.includes('LM-only speedup'); }", timeout=120_000)
