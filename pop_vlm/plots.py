@@ -14,6 +14,13 @@ def pyplot():
     return plt
 
 
+def save(fig, path, dpi: int = 120) -> None:
+    """Write the figure to `path` and free it (pyplot keeps every open figure alive)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 def importance_profile(profile, path, budget: float | None = None) -> None:
     """A PNG of a `LayerImportance`: prefill and decode importance (shares of each stage's total) and Block Influence per layer."""
     from .importance import DEFAULT_BUDGET
@@ -39,9 +46,7 @@ def importance_profile(profile, path, budget: float | None = None) -> None:
     bottom.set_ylabel("Block Influence\n1 − cos(in, out)")
     bottom.set_xlabel("layer")
     bottom.set_xticks(layers)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def bench_speedups(report: dict, path) -> None:
@@ -69,9 +74,7 @@ def bench_speedups(report: dict, path) -> None:
                  f"{meta['dtype']}, {meta['device']})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def quality_against_k(results: dict, path) -> None:
@@ -114,9 +117,7 @@ def quality_against_k(results: dict, path) -> None:
         axes[2].legend(fontsize=7)
         axes[2].grid(alpha=0.3)
     fig.suptitle(f"{results['model']} ({results['num_layers']} layers): POP vs static removal")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def training_curve(curve: list[dict], path) -> None:
@@ -139,6 +140,4 @@ def training_curve(curve: list[dict], path) -> None:
     ax[1].set_xlabel("training images")
     ax[1].set_ylabel("held-out accuracy")
     ax[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, dpi=90)

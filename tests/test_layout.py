@@ -89,3 +89,30 @@ def test_serve_comes_from_the_app_through_an_entry_point():
 
     args = build_parser().parse_args(["serve", "--model", "shapes-qwen3-vl"])
     assert args.func.__module__ == "app.cli"
+
+
+ROOT = PACKAGE.parent
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+def sources() -> list[Path]:
+    return sorted([*PACKAGE.rglob("*.py"), *(ROOT / "app").glob("*.py"), *(ROOT / "scripts").glob("*.py")])
+
+
+def test_modules_and_functions_stay_small_and_say_what_they_are_for():
+    too_long, no_docstring = [], []
+    for path in sources():
+        text = path.read_text()
+        tree = ast.parse(text)
+        name = path.relative_to(ROOT)
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        if path.name != "__init__.py" and ast.get_docstring(tree) is None:
+            no_docstring.append(str(name))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.name}: {length} lines")
+    assert not too_long, too_long
+    assert not no_docstring, no_docstring
