@@ -121,7 +121,8 @@ class Pipeline:
             raise ValueError("the question is empty")
         if self.is_multimodal:
             text = self.processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
-            inputs = self.processor(images=images or None, text=[text], return_tensors="pt")
+            # the rendered template already holds every special token it wants (Gemma-3's starts with <bos>)
+            inputs = self.processor(images=images or None, text=[text], return_tensors="pt", add_special_tokens=False)
         elif getattr(self.tokenizer, "chat_template", None):
             flat = [{"role": m["role"], "content": "".join(p["text"] for p in m["content"])} for m in template_messages]
             text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)

@@ -65,3 +65,23 @@ def test_pop_agrees_with_full_more_than_static(gemma):
     fid = ev.fidelity(gemma, variants, n_prompts=2, prompt_tokens=96, continuation=12, seed=0)
     assert fid["pop@6"]["agreement"] > fid["static@6"]["agreement"]
     assert fid["pop@6"]["kl_mean"] < fid["static@6"]["kl_mean"]
+
+
+def test_a_vlm_prompt_carries_the_special_tokens_of_its_chat_template_once(pipelines):
+    """Gemma-3's chat template starts with {{ bos_token }}; the processor must not add a second <bos>. Checked with
+    the real Gemma-3 tokenizer (the 270M's, with Gemma-3's image tokens) inside a Gemma-3 VLM processor."""
+    from PIL import Image
+    from transformers import AutoTokenizer, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from pop_vlm import Pipeline
+    from pop_vlm.offline_tokenizers import GEMMA_CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(zoo.gemma3_270m(), extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                tokenizer=tokenizer, chat_template=GEMMA_CHAT_TEMPLATE, image_seq_length=4)
+    pipe = Pipeline(pipelines("tiny-gemma3-vlm").model, processor)  # only the inputs are built here
+    ids = pipe.build_inputs(Image.new("RGB", (32, 32)), "What is in the picture?")["input_ids"][0].tolist()
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    assert ids.count(tokenizer.image_token_id) == 4 and tokenizer.convert_tokens_to_ids("<start_of_image>") in ids
