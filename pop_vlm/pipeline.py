@@ -20,7 +20,6 @@ from .sampling import SamplingParams
 from .textstream import Piece, check_stop
 
 
-
 @dataclass
 class PreparedPrompt:
     """One request's inputs, built once and shared by several runs (full vs POP on the same image): the processor
