@@ -7,6 +7,9 @@ Seeded and resumable from the checkpoint in ``--out-dir`` (default ``<cache>/tra
 Usage::
 
     python scripts/train_demo_vlm.py --minutes 150 --threads 1
+    python scripts/train_demo_vlm.py --family gemma3 --threads 1 --minutes 600 --image-size 128 --patch-size 8 \
+        --image-tokens 64 --vision-width 192 --vision-layers 4 --total-steps 4000 --eval-every 20 --val-size 200 \
+        --export-every 30 --export-dir <cache>/train/shapes-gemma-3/export
 """
 from __future__ import annotations
 

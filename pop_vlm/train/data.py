@@ -103,11 +103,13 @@ def word_supervision(enc, seqs, targets, scenes):
     for (img, question, _, _), (row, answer_at, _) in zip(seqs, targets):
         q_ids = enc.word_ids(question)
         start = answer_at - len(enc.tail) + 1 - len(q_ids)
-        for off, t in word_targets(scenes[img], enc.tok.convert_ids_to_tokens(q_ids)):
+        words = [enc.tok.decode([i]).strip() for i in q_ids]  # one word per token, whatever marks a leading space
+        for off, t in word_targets(scenes[img], words):
             rows.append(row)
             cols.append(start + off)
             tgt.append(t)
-    return torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt, dtype=torch.long).view(-1, 4)
+    return (torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long),
+            torch.tensor(tgt, dtype=torch.long).view(-1, 4))
 
 
 def load_jsonl(path):

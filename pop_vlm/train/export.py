@@ -14,14 +14,13 @@ from ..plots import training_curve
 from .card import model_card
 
 
-def export(family, model_state, config, processor, args, info: dict, curve: list, test_report: dict | None) -> float:
-    """Write `model_state` to ``args.export_dir`` (atomically replaced); returns the weights' size in MB."""
+def export(family, model, config, processor, args, info: dict, curve: list, test_report: dict | None) -> float:
+    """Write `model` (the best weights, loaded) to ``args.export_dir`` (atomically replaced); returns the weights'
+    size in MB."""
     out = Path(args.export_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model = family.new_model(config)
-    model.load_state_dict(model_state)
     if args.export_dtype == "bf16":
         model = model.to(torch.bfloat16)
     model.generation_config = family.generation_config(processor.tokenizer)
@@ -40,3 +39,18 @@ def export(family, model_state, config, processor, args, info: dict, curve: list
         shutil.rmtree(out)
     os.replace(tmp, out)
     return size_mb
+
+
+def trained_state(model) -> dict:
+    """The model's state without its frozen parameters (a pretrained language model is not saved again)."""
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+            if not (isinstance(v, torch.nn.Parameter) and not v.requires_grad)}
+
+
+def load_trained(model, state: dict):
+    """Load a `trained_state` into a fresh model: only its frozen parameters may be missing."""
+    frozen = set(model.state_dict()) - set(trained_state(model))
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys or set(result.missing_keys) - frozen:
+        raise ValueError(f"state does not fit the model: missing {sorted(set(result.missing_keys) - frozen)[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-FAMILIES = {"qwen3-vl": "qwen3_vl"}
+FAMILIES = {"qwen3-vl": "qwen3_vl", "gemma3": "gemma3"}
 
 
 def family(name: str) -> ModuleType:

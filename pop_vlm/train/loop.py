@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .. import zoo
 from .data import EvalSet, make_batch, word_supervision
-from .export import export
+from .export import export, load_trained, trained_state
 from .families import family as family_builder
 from .heads import AuxHeads, WordHeads
 
@@ -93,7 +93,7 @@ class Trainer:
 
     def _model_optimiser(self):
         """AdamW over the model and the vision probes; no weight decay on embeddings, norms and biases."""
-        named = list(self.model.named_parameters())
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # a frozen LM stays out
         decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
         no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
         return torch.optim.AdamW(
@@ -109,7 +109,7 @@ class Trainer:
     def resume_or_start(self):
         if self.ckpt_path.exists() and not self.args.fresh and not self.args.profile:
             ckpt = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
-            self.model.load_state_dict(ckpt["model"])
+            load_trained(self.model, ckpt["model"])
             self.aux.load_state_dict(ckpt["aux"])
             if "word_heads" in ckpt:
                 self.word_heads.load_state_dict(ckpt["word_heads"])
@@ -122,7 +122,7 @@ class Trainer:
 
     def save(self):
         save_checkpoint(self.ckpt_path, dict(
-            model=self.model.state_dict(), aux=self.aux.state_dict(), opt=self.opt.state_dict(), state=self.state,
+            model=trained_state(self.model), aux=self.aux.state_dict(), opt=self.opt.state_dict(), state=self.state,
             word_heads=self.word_heads.state_dict(), word_opt=self.word_opt.state_dict(),
         ))
 
@@ -176,7 +176,8 @@ class Trainer:
 
     def _word_loss(self, seqs, targets, scenes):
         w_rows, w_cols, w_t = word_supervision(self.enc, seqs, targets, scenes)
-        w_logits = self.word_heads(self.probe_hidden["h"][w_rows, w_cols])
+        probe_input = getattr(self.family, "word_probe_input", lambda hidden: hidden)
+        w_logits = self.word_heads(probe_input(self.probe_hidden["h"][w_rows, w_cols]))
         w_t = w_t.to(self.device)
         return sum(F.cross_entropy(lg.float(), w_t[:, k]) for k, lg in enumerate(w_logits))
 
@@ -194,7 +195,7 @@ class Trainer:
                                    val_accuracy=report["accuracy"], val_by_qtype=report["by_qtype"]))
         if report["accuracy"] > state["best_acc"]:
             state["best_acc"] = report["accuracy"]
-            state["best"] = copy.deepcopy({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+            state["best"] = copy.deepcopy({k: v.cpu() for k, v in trained_state(self.model).items()})
             state["best_info"] = dict(self.snapshot_info(), val_accuracy=report["accuracy"], val_by_qtype=report["by_qtype"])
         return report
 
@@ -204,13 +205,13 @@ class Trainer:
         if state["best"] is None or state["exported_step"] == state["best_info"]["step"]:
             return
         best_model = self.family.new_model(self.config)
-        best_model.load_state_dict(state["best"])
+        load_trained(best_model, state["best"])
         report = self.test.score(best_model) if self.test else None
         info = dict(state["best_info"], total_minutes=state["train_seconds"] / 60, total_images=state["images"])
         if report:
             info["test_accuracy"] = report["accuracy"]
             info["test_by_qtype"] = report["by_qtype"]
-        size = export(self.family, state["best"], self.config, self.processor, self.args, info, state["curve"], report)
+        size = export(self.family, best_model, self.config, self.processor, self.args, info, state["curve"], report)
         state["exported_step"] = state["best_info"]["step"]
         test_msg = f" test={report['accuracy']:.3f} {_rounded(report['by_qtype'])}" if report else ""
         log(f"exported step {state['exported_step']} ({size:.1f} MB) to {self.args.export_dir};{test_msg}", self.log_path)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .families import FAMILIES
+from .families import FAMILIES, family
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -41,6 +41,8 @@ def _data_options(p):
     p.add_argument("--patch-size", type=int, default=16)
     p.add_argument("--max-pixels", type=int, default=144 * 32 * 32)
     p.add_argument("--min-pixels", type=int, default=4 * 32 * 32)
+    p.add_argument("--image-size", type=int, default=128, help="gemma3: side of the square input image")
+    p.add_argument("--image-tokens", type=int, default=64, help="gemma3: image tokens per image (a square number)")
 
 
 def _model_options(p):
@@ -73,4 +75,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         parser.error(f"--word-layer must be between 0 and --text-layers - 1 ({args.text_layers - 1})")
     if args.steps is not None and args.steps < 0:
         parser.error("--steps must be >= 0")
+    check = getattr(family(args.family), "options_problem", None)
+    if check and (problem := check(args)):
+        parser.error(problem)
     return args
