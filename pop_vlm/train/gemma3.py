@@ -14,6 +14,7 @@ import torch
 from .. import shapes as S
 from .. import zoo
 from ..offline_tokenizers import GEMMA_CHAT_TEMPLATE
+from .packing import answer_logits, chat_inputs, check_packing
 
 FAMILY = "gemma3"
 MODEL_NAME = "shapes-gemma-3"
@@ -135,13 +136,6 @@ def prepare_for_training(model, processor, enc):
     check_packing(model, processor, enc)
 
 
-def chat_inputs(processor, image, question):
-    """The processor's inputs for one question, as `Pipeline` builds them (the template renders `<bos>`)."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    return processor(text=[text], images=[image], return_tensors="pt", add_special_tokens=False)
-
-
 class Encoder:
     """Builds model inputs for (image, question[, answer]) without re-running the processor per question."""
 
@@ -257,34 +251,7 @@ class Encoder:
         )
         return out.last_hidden_state, tuple(vis.pooler_output)
 
-    @staticmethod
-    def answer_logits(model, hidden, targets, with_eos: bool):
-        """Logits at the answer position of every question (and at the ``<end_of_turn>`` one after it)."""
-        offsets = (0, 1) if with_eos else (0,)
-        rows = torch.tensor([t[0] for t in targets for _ in offsets])
-        cols = torch.tensor([t[1] + k for t in targets for k in offsets])
-        return model.lm_head(hidden[rows, cols]).float()
-
-
-@torch.no_grad()
-def check_packing(model, processor, enc: Encoder):
-    """Packed logits must equal the model's own forward on processor outputs, one question at a time."""
-    was_training = model.training
-    model.eval()
-    scenes = [S.sample_scene(s) for s in (11, 12)]
-    images = [S.render(sc) for sc in scenes]
-    seqs = [(i, q, a, t) for i, sc in enumerate(scenes) for q, a, t in S.questions(sc, 5)[:3]]
-    pixel_values, grid = enc.images(images)
-    device = next(model.parameters()).device
-    input_ids, mask, position_ids, targets = enc.pack(model, grid, seqs, with_answer=True)
-    hidden, _ = enc.forward_hidden(model, pixel_values.to(device), grid.to(device), input_ids.to(device), mask.to(device),
-                                   position_ids.to(device))
-    packed = enc.answer_logits(model, hidden, targets, with_eos=False)
-    for k, (img, question, _, _) in enumerate(seqs):
-        inputs = chat_inputs(processor, images[img], question).to(device)
-        ref = model(**inputs, logits_to_keep=1).logits[0, -1].float()
-        torch.testing.assert_close(packed[k], ref, rtol=1e-3, atol=1e-3)
-    model.train(was_training)
+    answer_logits = staticmethod(answer_logits)
 
 
 # ---- the family's sections of the model card --------------------------------------------------------------------

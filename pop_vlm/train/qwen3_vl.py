@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import shapes as S
 from ..offline_tokenizers import QWEN3_VL_CHAT_TEMPLATE, QWEN_SPECIALS, shapes_qwen3_vl_tokenizer
+from .packing import answer_logits, check_packing
 
 FAMILY = "qwen3-vl"
 MODEL_NAME = "shapes-qwen3-vl"
@@ -266,36 +267,7 @@ class Encoder:
         )
         return out.last_hidden_state, vis.pooler_output
 
-    @staticmethod
-    def answer_logits(model, hidden, targets, with_eos: bool):
-        """Logits at the answer position of every question (and at the ``<|im_end|>`` one after it)."""
-        offsets = (0, 1) if with_eos else (0,)
-        rows = torch.tensor([t[0] for t in targets for _ in offsets])
-        cols = torch.tensor([t[1] + k for t in targets for k in offsets])
-        return model.lm_head(hidden[rows, cols]).float()
-
-
-@torch.no_grad()
-def check_packing(model, processor, enc: Encoder):
-    """Packed logits must equal the model's own forward on processor outputs, one question at a time."""
-    was_training = model.training
-    model.eval()
-    scenes = [S.sample_scene(s) for s in (11, 12)]
-    images = [S.render(sc) for sc in scenes]
-    seqs = [(i, q, a, t) for i, sc in enumerate(scenes) for q, a, t in S.questions(sc, 5)[:3]]
-    pixel_values, grid = enc.images(images)
-    device = next(model.parameters()).device
-    input_ids, mask, position_ids, targets = enc.pack(model, grid, seqs, with_answer=True)
-    hidden, _ = enc.forward_hidden(model, pixel_values.to(device), grid.to(device), input_ids.to(device), mask.to(device),
-                                   position_ids.to(device))
-    packed = enc.answer_logits(model, hidden, targets, with_eos=False)
-    for k, (img, question, _, _) in enumerate(seqs):
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(text=[text], images=[images[img]], return_tensors="pt").to(device)
-        ref = model(**inputs).logits[0, -1].float()
-        torch.testing.assert_close(packed[k], ref, rtol=1e-3, atol=1e-3)
-    model.train(was_training)
+    answer_logits = staticmethod(answer_logits)
 
 
 # ---- the family's sections of the model card --------------------------------------------------------------------
