@@ -23,6 +23,11 @@ def add_serve_parser(sub) -> None:
     limits.add_argument("--max-question-chars", type=int, help="longest question [POP_VLM_MAX_QUESTION_CHARS]")
     limits.add_argument("--max-new-tokens-cap", type=int, help="largest max_tokens a request may ask [POP_VLM_MAX_NEW_TOKENS]")
     limits.add_argument("--queue-size", type=int, help="requests waiting beyond this are refused [POP_VLM_QUEUE_SIZE]")
+    limits.add_argument("--max-batch-size", type=int,
+                        help="requests decoded together, one batched step per token; 1 runs one request at a time "
+                             "[POP_VLM_MAX_BATCH_SIZE]")
+    limits.add_argument("--max-tokens-in-flight", type=int,
+                        help="prompt + answer tokens the running batch may hold (0: no limit) [POP_VLM_MAX_TOKENS_IN_FLIGHT]")
     limits.add_argument("--request-timeout", type=float, help="seconds for waiting plus generating [POP_VLM_REQUEST_TIMEOUT_S]")
     serve.add_argument("--trust-remote-code", action="store_true", help="run model code from the hub (off by default)")
     serve.add_argument("--allow-remote-images", action="store_true", help="let the API fetch http(s) image URLs")
@@ -67,7 +72,8 @@ def cmd_serve(args) -> int:
 
     limits = Limits.from_env(max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels,
                              max_question_chars=args.max_question_chars, max_new_tokens=args.max_new_tokens_cap,
-                             queue_size=args.queue_size, request_timeout_s=args.request_timeout)
+                             queue_size=args.queue_size, request_timeout_s=args.request_timeout,
+                             max_batch_size=args.max_batch_size, max_tokens_in_flight=args.max_tokens_in_flight)
     keys, ui_auth = api_keys_from(args.api_key), ui_auth_from(args.ui_auth)
     served = served_models(args.model)
     manager = ModelManager(device=args.device, dtype=args.dtype, allowed_root=args.allowed_model_root, limits=limits,

@@ -19,6 +19,8 @@ class Limits:
     max_question_chars: int = 8000
     max_new_tokens: int = 1024
     queue_size: int = 16  # requests waiting for the model beyond this are refused (HTTP 429)
+    max_batch_size: int = 16  # requests decoded together in one batched step (1: one request at a time)
+    max_tokens_in_flight: int = 0  # prompt + answer tokens the batch may hold at once (0: no limit)
     request_timeout_s: float = 300.0  # waiting for the model plus generating
 
     @classmethod

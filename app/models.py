@@ -1,4 +1,5 @@
-"""Which models the app offers, loading them once, and one model run at a time per device."""
+"""Which models the app offers, loading them once, and admitting requests to the device: up to
+`max_batch_size` at once, their decode steps batched by the library's scheduler (one at a time when it is 1)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pop_vlm
 from pop_vlm import zoo
+from pop_vlm.batch import Admission, BatchScheduler, DeviceTurns, QueueFull, WaitedTooLong
 
 from .limits import Limits
 
@@ -50,7 +52,9 @@ def importance_cache_dir() -> Path:
 
 
 class ModelManager:
-    """Loads pipelines by name (keeping the most recent few) and serialises model runs on the device.
+    """Loads pipelines by name (keeping the most recent few) and admits model runs to the device: with
+    `limits.max_batch_size` > 1 each pipeline gets a `BatchScheduler` (sharing the device's turns), so that
+    admitted requests prefill one at a time and decode together; with 1, one request runs at a time.
 
     Only the served models may be asked for: `served` (the operator's list; by default the default model and the
     bundled demo models). `allow_any=True` also accepts hub ids and local folders (under `allowed_root` when it is
@@ -69,11 +73,12 @@ class ModelManager:
         self.trust_remote_code = trust_remote_code
         self.limits = limits or Limits.from_env()
         self.allowed_root = Path(allowed_root).resolve() if allowed_root else None
-        self._waiting = 0
-        self._waiting_lock = threading.Lock()
+        self.admission = Admission(max_running=max(1, int(self.limits.max_batch_size)),
+                                   max_queue=max(0, int(self.limits.queue_size)),
+                                   max_tokens=int(self.limits.max_tokens_in_flight) or None)
+        self.turns = DeviceTurns()  # one device: the models' schedulers take turns on it
         self._pipelines: OrderedDict[str, pop_vlm.Pipeline] = OrderedDict()
         self._load_lock = threading.Lock()
-        self.run_lock = threading.Lock()  # one model run at a time on this device
         self.ready = threading.Event()
         self.load_error: str | None = None
 
@@ -116,9 +121,14 @@ class ModelManager:
                 pipe.warm_up()  # so that the first comparison a user sees is not a cold start
             except Exception as err:  # noqa: BLE001 - any loading failure becomes a user-facing message
                 raise ModelError(f"cannot load model {name!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+            if self.admission.max_running > 1:
+                pipe.scheduler = BatchScheduler(pipe.adapter, max_batch_size=self.admission.max_running,
+                                                turns=self.turns, max_tokens=self.admission.max_tokens)
             self._pipelines[name] = pipe
             while len(self._pipelines) > self.max_loaded:
-                self._pipelines.popitem(last=False)
+                _, evicted = self._pipelines.popitem(last=False)
+                if evicted.scheduler is not None:
+                    evicted.scheduler.close()  # its thread ends once its running requests are done
             if pipe.auto_k is None:  # `load` reads a profile shipped with the weights; this adds the on-disk cache
                 profile = self.cached_importance(name)
                 if profile is not None:
@@ -127,26 +137,26 @@ class ModelManager:
 
     @property
     def requests_in_line(self) -> int:
-        """Model requests admitted and not finished: the one running plus those waiting for the device."""
-        return self._waiting
+        """Model requests admitted and not finished, plus those waiting for a place."""
+        return self.admission.running + self.admission.waiting
+
+    def load(self) -> dict:
+        """What /healthz reports: requests running and waiting, and the rows of the running batches."""
+        schedulers = [p.scheduler for p in list(self._pipelines.values()) if p.scheduler is not None]
+        return {"running": self.admission.running, "queue_length": self.admission.waiting,
+                "batch_size": sum(s.rows for s in schedulers), "max_batch_size": self.admission.max_running,
+                "decode_steps": sum(s.stats.steps for s in schedulers),
+                "rows_per_step": round(sum(s.stats.rows_stepped for s in schedulers)
+                                       / max(1, sum(s.stats.steps for s in schedulers)), 3)}
 
     @contextmanager
     def admitted(self):
-        """Hold the device for one request: refused when the queue is full or the wait outlasts the timeout."""
-        with self._waiting_lock:
-            if self._waiting >= self.limits.queue_size + 1:
-                raise Busy(f"the server is busy ({self._waiting} requests in line); retry shortly")
-            self._waiting += 1
+        """A place for one request: refused when the queue is full or the wait outlasts the timeout."""
         try:
-            if not self.run_lock.acquire(timeout=self.limits.request_timeout_s):
-                raise Busy(f"the model stayed busy for {self.limits.request_timeout_s:.0f} s; retry shortly")
-            try:
+            with self.admission.admitted(timeout_s=self.limits.request_timeout_s):
                 yield
-            finally:
-                self.run_lock.release()
-        finally:
-            with self._waiting_lock:
-                self._waiting -= 1
+        except (QueueFull, WaitedTooLong) as err:
+            raise Busy(str(err)) from None
 
     def load_default(self) -> None:
         """Load the default model (in a background thread at server start); `ready` is set when done."""
@@ -185,7 +195,7 @@ class ModelManager:
         if pipe.is_multimodal:
             photos = sorted((zoo.assets_dir() / "images").glob("*.jpg"))
             samples = [(str(photo), "Describe the picture in one sentence.") for photo in photos]
-        with self.admitted():
+        with self.admitted(), pipe.device_turn():
             profile = pipe.importance(samples, samples_per_prompt=2, n_prompts=4, progress=progress)
         path = self._importance_files(name)[-1]
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -47,12 +47,12 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
             return JSONResponse({"status": "error", "error": "no model configured"}, status_code=503)
         pipe = manager.get(manager.default)
         return {"status": "ok", "model": manager.default, "device": str(pipe.device), "layers": pipe.num_layers,
-                "memory_rss_bytes": resident_memory_bytes()}
+                "memory_rss_bytes": resident_memory_bytes(), **manager.load()}
 
     add_openai_routes(api, manager, policy)
 
     demo = build_demo(manager)
-    demo.queue(max_size=queue_size, default_concurrency_limit=1)
+    demo.queue(max_size=queue_size, default_concurrency_limit=manager.limits.max_batch_size)
     login = page_login(api_keys, ui_auth or [])
     key_login = login is not None and not ui_auth
     app = gr.mount_gradio_app(api, demo, path="/", allowed_paths=asset_paths(), auth=login,

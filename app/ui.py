@@ -117,6 +117,11 @@ def chat_tab() -> SimpleNamespace:
     return t
 
 
+def model_runs(manager: ModelManager) -> dict:
+    """Page events that run the model: as many at once as the batch takes (their decode steps are batched)."""
+    return dict(concurrency_id="model", concurrency_limit=manager.limits.max_batch_size)
+
+
 def prune_value(k, use_auto):
     return "auto" if use_auto else int(k)
 
@@ -154,8 +159,8 @@ def wire_compare(manager: ModelManager, c: SimpleNamespace, r: SimpleNamespace) 
                r.chart, c.history, c.turn, r.static_column]
     inputs = [c.image, c.question, c.model, c.depth, c.auto, c.max_new, c.no_kv, c.no_boundary, c.with_static,
               c.repeat, c.history, c.turn]
-    c.run.click(on_run, inputs, outputs, api_name="ask", concurrency_id="model", concurrency_limit=1, preprocess=False)
-    c.question.submit(on_run, inputs, outputs, api_visibility="private", concurrency_id="model", concurrency_limit=1,
+    c.run.click(on_run, inputs, outputs, api_name="ask", **model_runs(manager), preprocess=False)
+    c.question.submit(on_run, inputs, outputs, api_visibility="private", **model_runs(manager),
                       preprocess=False)
 
 
@@ -201,8 +206,7 @@ def wire_importance(manager: ModelManager, demo, c: SimpleNamespace, r: SimpleNa
         trigger(show_importance, [c.model, c.depth, c.auto], chart, api_visibility="private")
     for trigger in (c.model.change, demo.load):
         trigger(on_model, [c.model, c.depth, c.auto], [c.depth, *chart], api_visibility="private")
-    r.compute.click(on_compute, [c.model, c.depth, c.auto], chart, api_name="importance", concurrency_id="model",
-                    concurrency_limit=1)
+    r.compute.click(on_compute, [c.model, c.depth, c.auto], chart, api_name="importance", **model_runs(manager))
 
 
 def wire_chat(manager: ModelManager, c: SimpleNamespace, t: SimpleNamespace) -> None:
@@ -226,7 +230,7 @@ def wire_chat(manager: ModelManager, c: SimpleNamespace, t: SimpleNamespace) -> 
 
     inputs = [t.image, t.input, c.model, t.mode, c.depth, c.auto, c.max_new, t.conversation, t.chatbot]
     t.input.submit(on_chat, inputs, [t.chatbot, t.input, t.conversation, t.timing], api_name="chat",
-                   concurrency_id="model", concurrency_limit=1, preprocess=False)
+                   **model_runs(manager), preprocess=False)
     reset = [t.chatbot, t.conversation, t.timing]
     t.new_chat.click(lambda: ([], [], ""), None, reset, api_visibility="private")
     t.image.change(lambda: ([], [], ""), None, reset, api_visibility="private")
@@ -245,7 +249,7 @@ def wire_compare_api(manager: ModelManager, c: SimpleNamespace) -> None:
             raise gr.Error(str(err)) from None
 
     button.click(on_compare, [c.image, c.question, c.model, prune, c.max_new], result, api_name="compare",
-                 concurrency_id="model", concurrency_limit=1, preprocess=False)
+                 **model_runs(manager), preprocess=False)
 
 
 def asset_paths() -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import resource
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -117,6 +118,7 @@ def generate_choices(
     start: int = 0,
     prompt: Prompt | None = None,
     timer=time.perf_counter,
+    batch=None,
 ) -> Iterator[tuple[int, int]]:
     """Prefill the prompt once, then decode `n` choices from it one after the other; yield (choice, token id).
 
@@ -129,7 +131,8 @@ def generate_choices(
     (finish_reason "timeout"). With `cache` holding the K/V of the prompt's first `start` tokens, only tokens
     [start, N) are prefilled. With `prompt`, `inputs` already went through `adapter.encode` (the vision encoder):
     that work is not done again and `result.timings.vision_s` is left as the caller set it. `timer` is the clock the
-    stages are read with.
+    stages are read with. With `batch` (a `pop_vlm.batch.BatchScheduler`), the prefill waits for its turn on the
+    device and the decode steps run batched with other requests' (the tokens are those of the run alone).
     """
     check_options(max_new_tokens, n, top_logprobs, stop, decode)
     sampling = sampling or SamplingParams()
@@ -142,7 +145,7 @@ def generate_choices(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     run = DecodeRun(adapter, plan, sampling, generator, StageClock(device, timer), set(eos_token_ids or ()),
-                    max_new_tokens, time.monotonic() + time_limit_s if time_limit_s else None)
+                    max_new_tokens, time.monotonic() + time_limit_s if time_limit_s else None, batch)
 
     # ---- stage 1: the prefill, once for all choices
     prefilled = cache if cache is not None else adapter.new_cache()
@@ -155,7 +158,9 @@ def generate_choices(
                                    text=DecodedText(decode, stop) if decode is not None else None) for i in range(n)]
     for choice in result.choices:
         with torch.inference_mode():
-            result.cache = prefilled if choice.index == n - 1 else copy_cache(prefilled)
+            # a batch row copies the cache into its slot, leaving the prefilled one as it was
+            shared = choice.index == n - 1 or run.batch is not None
+            result.cache = prefilled if shared else copy_cache(prefilled)
         # the first choice's first token was drawn before the first-token clock stopped
         token = first_token if choice.index == 0 else sample_token(first_logits[0], sampling, generator)
         yield from decode_choice(run, result, choice, first_logits, token, top_logprobs)
@@ -194,6 +199,29 @@ class DecodeRun:
     eos_token_ids: set[int]
     max_new_tokens: int
     deadline: float | None  # time.monotonic() after which decoding stops
+    batch: object = None  # a BatchScheduler: decode steps run batched with other requests'
+
+    def device_turn(self):
+        return self.batch.device_turn() if self.batch is not None else nullcontext()
+
+    def open_row(self, prompt: Prompt, cache):
+        """Where this choice's decode steps run: batched with other requests', or one at a time here."""
+        if self.batch is not None:
+            return self.batch.open_row(prompt, cache, self.plan.decode_layers, prompt.length + self.max_new_tokens)
+        return AloneRow(self.adapter, prompt, cache, self.plan.decode_layers)
+
+
+class AloneRow:
+    """A sequence decoded on its own: each step is `decode_one_token` on its cache."""
+
+    def __init__(self, adapter: FamilyAdapter, prompt: Prompt, cache, layer_ids):
+        self.adapter, self.prompt, self.cache, self.layer_ids = adapter, prompt, cache, layer_ids
+
+    def step(self, token: int, index: int) -> torch.Tensor:
+        return decode_one_token(self.adapter, self.prompt, self.cache, token, index, self.layer_ids)
+
+    def close(self):
+        return self.cache
 
 
 def prefill_once(run: DecodeRun, inputs: dict, cache, result: GenerationResult, full_tail, start: int,
@@ -201,7 +229,10 @@ def prefill_once(run: DecodeRun, inputs: dict, cache, result: GenerationResult, 
     """Encode the prompt (unless given), prefill it into `cache` (tokens [start, N)) and draw the first token;
     fills `result.prompt` and the TTFT timings. Returns (first-token logits, first token)."""
     clock, timings = run.clock, result.timings
-    with torch.inference_mode():
+    with run.device_turn(), torch.inference_mode():
+        if run.batch is not None:
+            clock("wait")  # other requests' decode steps, under load: part of the TTFT, not of the prefill
+            timings.wait_s = clock.stages["wait"]
         if prompt is None:
             prompt = run.adapter.encode(inputs, start=start)
             clock("vision")
@@ -213,7 +244,8 @@ def prefill_once(run: DecodeRun, inputs: dict, cache, result: GenerationResult, 
     timings.n_prompt_tokens = prompt.length
     timings.prefill_s = clock.stages.get("prefill", 0.0)
     timings.first_token_s = clock.stages.get("first_token", 0.0)
-    timings.ttft_s = timings.preprocess_s + timings.vision_s + timings.prefill_s + timings.first_token_s
+    timings.ttft_s = (timings.preprocess_s + timings.wait_s + timings.vision_s + timings.prefill_s
+                      + timings.first_token_s)
     return logits, token
 
 
@@ -222,32 +254,39 @@ def decode_choice(run: DecodeRun, result: GenerationResult, choice: ChoiceResult
     """Decode one choice on `result.cache` from its first token; yield (choice index, token id) as they come."""
     counts = torch.zeros(logits.shape[-1], dtype=torch.int32) if run.sampling.penalised else None
     index = result.prompt.length
-    while True:
-        choice.token_ids.append(token)
-        if counts is not None:
-            counts[token] += 1
-        if choice.scores is not None:
-            choice.scores.append(logits[0].float().cpu())
-        if top_logprobs is not None:
-            choice.logprobs.append(token_logprob(logits[0], token, top_logprobs))
-        stopped = choice.text.add(choice.token_ids) if choice.text is not None else False
-        result.timings.n_generated_tokens = sum(len(c.token_ids) for c in result.choices)
-        yield choice.index, token
-        run.clock.last = run.clock.now()  # time spent by the consumer is not decode time
-        if stopped or token in run.eos_token_ids:
-            choice.finish_reason = "stop"
-            return
-        if len(choice.token_ids) >= run.max_new_tokens:
-            choice.finish_reason = "length"
-            return
-        if run.deadline is not None and time.monotonic() > run.deadline:
-            choice.finish_reason = "timeout"
-            return
-        with torch.inference_mode():
-            logits = decode_one_token(run.adapter, result.prompt, result.cache, token, index, run.plan.decode_layers)
-            token = sample_token(logits[0], run.sampling, run.generator, counts)
-        run.clock("decode")
-        index += 1
+    row = None  # where the decode steps run; opened at the first one: a one-token answer never joins a batch
+    try:
+        while True:
+            choice.token_ids.append(token)
+            if counts is not None:
+                counts[token] += 1
+            if choice.scores is not None:
+                choice.scores.append(logits[0].float().cpu())
+            if top_logprobs is not None:
+                choice.logprobs.append(token_logprob(logits[0], token, top_logprobs))
+            stopped = choice.text.add(choice.token_ids) if choice.text is not None else False
+            result.timings.n_generated_tokens = sum(len(c.token_ids) for c in result.choices)
+            yield choice.index, token
+            run.clock.last = run.clock.now()  # time spent by the consumer is not decode time
+            if stopped or token in run.eos_token_ids:
+                choice.finish_reason = "stop"
+                return
+            if len(choice.token_ids) >= run.max_new_tokens:
+                choice.finish_reason = "length"
+                return
+            if run.deadline is not None and time.monotonic() > run.deadline:
+                choice.finish_reason = "timeout"
+                return
+            with torch.inference_mode():
+                if row is None:
+                    row = run.open_row(result.prompt, result.cache)
+                logits = row.step(token, index)
+                token = sample_token(logits[0], run.sampling, run.generator, counts)
+            run.clock("decode")
+            index += 1
+    finally:
+        if row is not None:  # also when the consumer stops early (a client that went away): the row leaves
+            result.cache = row.close()
 
 
 def copy_cache(cache):

@@ -3,6 +3,7 @@ streamed, prepared once for several modes, or continued from a cached conversati
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -45,6 +46,12 @@ class Pipeline:
         self.auto_k: int | None = None  # set from an importance profile, for prune_layers="auto"
         self.prefix_cache = PrefixCache()  # conversations' caches, for follow-up questions
         self.timer = time.perf_counter  # the clock of `Timings` (benchmarks pass time.thread_time)
+        #: a `pop_vlm.batch.BatchScheduler` when requests run concurrently (serving): their decode steps are batched
+        self.scheduler = None
+
+    def device_turn(self):
+        """Hold the device for model work outside the generation loop, when requests run concurrently."""
+        return self.scheduler.device_turn() if self.scheduler is not None else nullcontext()
 
     @property
     def device(self) -> torch.device:
@@ -183,8 +190,8 @@ class Pipeline:
     def _embedded(self, prepared: PreparedPrompt) -> Prompt:
         """The prepared prompt through the vision encoder and the embedding, once."""
         if prepared.prompt is None:
-            clock = StageClock(self.device, self.timer)
-            with torch.inference_mode():
+            with self.device_turn(), torch.inference_mode():
+                clock = StageClock(self.device, self.timer)
                 prepared.prompt = self.adapter.encode(prepared.inputs)
             clock("vision")
             prepared.vision_s = clock.stages["vision"]
@@ -234,7 +241,8 @@ class Pipeline:
                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 seed: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 stop=None, n: int = 1, logprobs: bool = False, top_logprobs: int = 0, output_scores: bool = False,
-                time_limit_s: float | None = None, reuse_prefix: bool = False, prepared: PreparedPrompt | None = None):
+                time_limit_s: float | None = None, reuse_prefix: bool = False, prepared: PreparedPrompt | None = None,
+                ignore_eos: bool = False):
         """Check everything that can be checked before any model work, then return the generator.
 
         `stop`: a string or strings that end an answer (not included in its text). `n`: how many answers, each
@@ -242,7 +250,8 @@ class Pipeline:
         choice). `logprobs`: keep each token's log-probability and `top_logprobs` alternatives.
         With `reuse_prefix`, a cached conversation whose tokens begin this prompt (same images, mode and POP
         settings) is continued: only the new tokens are prefilled, and this turn is cached in turn. With `prepared`,
-        the vision encoder's work is shared with the prepared prompt's other runs."""
+        the vision encoder's work is shared with the prepared prompt's other runs. `ignore_eos` decodes all
+        `max_new_tokens` (benchmarks of fixed answer length)."""
         check_mode(mode)
         pop = pop if pop is not None else PopConfig()
         sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -268,7 +277,7 @@ class Pipeline:
                    image_fingerprint(inputs, self.adapter.image_input_keys))
         options = dict(mode=mode, pop=pop, n=n, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                        top_logprobs=top_logprobs if logprobs else None, output_scores=output_scores,
-                       time_limit_s=time_limit_s)
+                       time_limit_s=time_limit_s, eos_token_ids=set() if ignore_eos else self.eos_token_ids)
         return self._generate_text(inputs, options, preprocess_s, key, prepared)
 
     def _generate_text(self, inputs, options: dict, preprocess_s: float, prefix_key, prepared=None):
@@ -282,8 +291,9 @@ class Pipeline:
             result.timings.vision_s = prepared.vision_s
         result.timings.n_cached_tokens = start
         tokens = generate_choices(
-            self.adapter, inputs, eos_token_ids=self.eos_token_ids, decode=self.decode, result=result,
-            auto_k=self.auto_k, cache=cache, start=start, prompt=prompt, timer=self.timer, **options,
+            self.adapter, inputs, decode=self.decode, result=result,
+            auto_k=self.auto_k, cache=cache, start=start, prompt=prompt, timer=self.timer, batch=self.scheduler,
+            **options,
         )
         shown: dict[int, int] = {}  # per choice: characters and tokens already streamed
 

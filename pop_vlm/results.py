@@ -14,6 +14,7 @@ class Timings:
     vision_s: float = 0.0  # vision encoder and merging its features into the prompt
     prefill_s: float = 0.0  # decoder prefill (POP: pruned layers + KV projections)
     first_token_s: float = 0.0  # the step that yields the first token (POP: the boundary step)
+    wait_s: float = 0.0  # waiting for the device while other requests' decode steps ran (serving under load)
     ttft_s: float = 0.0  # request to first token: all of the above
     decode_s: float = 0.0
     decode_tokens_per_s: float = 0.0
