@@ -135,6 +135,10 @@ class ModelManager:
                     pipe.auto_k = profile.auto_k()
             return pipe
 
+    def loaded(self, name: str) -> pop_vlm.Pipeline | None:
+        """The pipeline of a model already loaded, else None (nothing is loaded by asking)."""
+        return self._pipelines.get(name)
+
     @property
     def requests_in_line(self) -> int:
         """Model requests admitted and not finished, plus those waiting for a place."""

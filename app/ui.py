@@ -25,14 +25,38 @@ def default_depth(manager: ModelManager) -> int:
     return PopConfig().num_pruned(getattr(config, "text_config", config).num_hidden_layers)
 
 
-def examples() -> list[list]:
-    """Clickable examples: shapes-task images for the demo model, then real photos (assets/qa/examples.jsonl)."""
+#: which examples each kind of model can answer: a bundled shapes model knows only its canvases, a text model
+#: takes no image, a general VLM answers about photos (and canvases too)
+EXAMPLE_TASKS = {"shapes": ("shapes",), "text": ("text",), "photo": ("photo", "shapes")}
+
+
+def example_kind(manager: ModelManager, name: str | None) -> str:
+    """"shapes", "text" or "photo": decided from the name (bundled, text model) or, once loaded, the pipeline."""
+    from .models import TEXT_MODELS
+
+    name = name or manager.default
+    if name in zoo.BUNDLED:
+        return "shapes"
+    if name in TEXT_MODELS:
+        return "text"
+    loaded = manager.loaded(name)
+    return "text" if loaded is not None and not loaded.is_multimodal else "photo"
+
+
+def examples(kind: str = "photo") -> list[list]:
+    """Clickable (image, question) examples that fit a kind of model (assets/qa/examples.jsonl)."""
     listing = zoo.assets_dir() / "qa" / "examples.jsonl"
     if not listing.is_file():
         return []
     rows = [json.loads(line) for line in listing.read_text().splitlines() if line.strip()]
-    return [[str(zoo.assets_dir() / row["image"]), row["question"]] for row in rows
-            if (zoo.assets_dir() / row["image"]).is_file()]
+    out = []
+    for row in rows:
+        if row.get("task", "photo") not in EXAMPLE_TASKS[kind]:
+            continue
+        image = zoo.assets_dir() / row["image"] if row.get("image") else None
+        if image is None or image.is_file():
+            out.append([str(image) if image else None, row["question"]])
+    return out
 
 
 def build_demo(manager: ModelManager) -> gr.Blocks:
@@ -73,8 +97,8 @@ def compare_controls(manager: ModelManager) -> SimpleNamespace:
             c.no_boundary = gr.Checkbox(label="ablation: no boundary step (first token from pruned stack)")
             c.with_static = gr.Checkbox(label="also run the static baseline (the same layers removed everywhere)")
         c.run = gr.Button("Ask both", variant="primary", elem_id="run")
-        if examples():
-            gr.Examples(examples(), inputs=[c.image, c.question])
+        c.examples = gr.Examples(examples(example_kind(manager, manager.default)) or [[None, "What is in the picture?"]],
+                                 inputs=[c.image, c.question], label="Examples for this model")
     c.history, c.turn = gr.State([]), gr.State(0)
     return c
 
@@ -190,9 +214,10 @@ def wire_importance(manager: ModelManager, demo, c: SimpleNamespace, r: SimpleNa
         try:
             pipe = manager.get(model)
         except (ValueError, ModelError) as err:
-            return gr.update(), None, str(err)
+            return gr.update(), None, str(err), gr.update()
         value = PopConfig().num_pruned(pipe.num_layers)
-        return (gr.update(maximum=pipe.num_layers - 1, value=value), *show_importance(model, value, use_auto))
+        fitting = gr.Dataset(samples=examples(example_kind(manager, model)))
+        return (gr.update(maximum=pipe.num_layers - 1, value=value), *show_importance(model, value, use_auto), fitting)
 
     def on_compute(model, k, use_auto, progress=gr.Progress(track_tqdm=True)):
         try:
@@ -205,7 +230,7 @@ def wire_importance(manager: ModelManager, demo, c: SimpleNamespace, r: SimpleNa
     for trigger in (c.depth.release, c.auto.change):
         trigger(show_importance, [c.model, c.depth, c.auto], chart, api_visibility="private")
     for trigger in (c.model.change, demo.load):
-        trigger(on_model, [c.model, c.depth, c.auto], [c.depth, *chart], api_visibility="private")
+        trigger(on_model, [c.model, c.depth, c.auto], [c.depth, *chart, c.examples.dataset], api_visibility="private")
     r.compute.click(on_compute, [c.model, c.depth, c.auto], chart, api_name="importance", **model_runs(manager))
 
 
