@@ -185,19 +185,22 @@ class BatchScheduler:
         """Move a prefilled sequence into the batch of the group that decodes through `layer_ids`, once it has a
         free row and its `tokens` (prompt + answer) fit."""
         group = tuple(layer_ids)
-        with self._cond:
-            if self._stopped:
-                raise RuntimeError("the batch scheduler is closed")
-            self._cond.wait_for(lambda: self._slots(group).free_slot() is not None and self._fits(tokens))
-            self._ensure_thread()
-        with self.turns.turn(), torch.inference_mode():  # the slot buffers must not change under a running step
+        while True:
             with self._cond:
-                slot = self._slots(group).join(cache)
-                row = BatchRow(self, group, slot, prompt)
-                self._open.setdefault(group, set()).add(row)
-                self._tokens[row] = tokens
-                self.stats.joined += 1
-        return row
+                if self._stopped:
+                    raise RuntimeError("the batch scheduler is closed")
+                self._cond.wait_for(lambda: self._has_room(group, tokens))
+                self._ensure_thread()
+            with self.turns.turn(), torch.inference_mode():  # the slot buffers must not change under a running step
+                with self._cond:
+                    if not self._has_room(group, tokens):  # another request took the room while this one waited
+                        continue
+                    slot = self._slots(group).join(cache)
+                    row = BatchRow(self, group, slot, prompt)
+                    self._open.setdefault(group, set()).add(row)
+                    self._tokens[row] = tokens
+                    self.stats.joined += 1
+                    return row
 
     @property
     def rows(self) -> int:
@@ -212,7 +215,10 @@ class BatchScheduler:
             self._cond.notify_all()
 
     # ---- inside -------------------------------------------------------------------------------------------------
-    def _fits(self, tokens: int) -> bool:
+    def _has_room(self, group, tokens: int) -> bool:
+        """A free row in the group, and room for `tokens` more (always, when no row is open)."""
+        if self._slots(group).free_slot() is None:
+            return False
         held = sum(self._tokens.values())
         return self.max_tokens is None or not self._tokens or held + tokens <= self.max_tokens
 
@@ -273,7 +279,13 @@ class BatchScheduler:
                         pending.error = RuntimeError("the batch scheduler stopped")
                         pending.done.set()
                     return
-            self._run_step(group, taken)
+            try:
+                self._run_step(group, taken)
+            except BaseException as err:  # never leave a row waiting for a step that will not come
+                for pending in taken.values():
+                    pending.error = pending.error or err
+                    pending.done.set()
+                raise
 
     def _run_step(self, group, taken: dict[BatchRow, _Pending]) -> None:
         start = time.perf_counter()
@@ -281,9 +293,10 @@ class BatchScheduler:
             with self.turns.turn(), torch.inference_mode():
                 logits = self._groups[group].step({r.slot: p.token for r, p in taken.items()},
                                                   {r.slot: p.positions for r, p in taken.items()}, group)
-            results = {row: (logits[row.slot: row.slot + 1], None) for row in taken}
-        except Exception:  # noqa: BLE001 - find the row that fails; the others still get their step
-            results = self._rows_alone(group, taken) if len(taken) > 1 else {row: (None, _error()) for row in taken}
+            # each row its own copy: a view would keep the whole batch's logits alive as long as any row keeps its own
+            results = {row: (logits[row.slot: row.slot + 1].clone(), None) for row in taken}
+        except Exception as err:  # noqa: BLE001 - find the row that fails; the others still get their step
+            results = self._rows_alone(group, taken) if len(taken) > 1 else {row: (None, err) for row in taken}
         self._last_step_s = time.perf_counter() - start
         with self._cond:
             self.stats.steps += 1
@@ -305,13 +318,7 @@ class BatchScheduler:
             try:
                 with self.turns.turn(), torch.inference_mode():
                     logits = self._groups[group].step({row.slot: pending.token}, {row.slot: pending.positions}, group)
-                results[row] = (logits[row.slot: row.slot + 1], None)
-            except Exception:  # noqa: BLE001
-                results[row] = (None, _error())
+                results[row] = (logits[row.slot: row.slot + 1].clone(), None)
+            except Exception as err:  # noqa: BLE001
+                results[row] = (None, err)
         return results
-
-
-def _error() -> BaseException:
-    import sys
-
-    return sys.exc_info()[1]

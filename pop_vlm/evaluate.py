@@ -17,6 +17,8 @@ Prompts, keys and depths come from a seeded generator at run time; nothing is ch
 """
 from __future__ import annotations
 
+import statistics
+
 import json
 import math
 import random
@@ -288,7 +290,9 @@ def save(results: dict, out_dir) -> dict:
 def shapes_qa_report(pipe, records: Sequence[dict], modes: Sequence[str] = ("full", "pop", "static"),
                      prune_layers=None, max_new_tokens: int = 4, progress: bool = False) -> dict:
     """Exact-match accuracy of each mode on shapes-task records (`pop_vlm.shapes`), overall, by question type and
-    by canvas size, with the vision-token counts. `prune_layers` defaults to L/3."""
+    by canvas size, with the vision-token counts and each mode's median TTFT (the modes run one after the other on
+    each record's inputs, in alternating order, so both see the same inputs and the same machine state; the clock is
+    `pipe.timer`). `prune_layers` defaults to L/3."""
     from collections import defaultdict
 
     from tqdm.auto import tqdm
@@ -299,12 +303,14 @@ def shapes_qa_report(pipe, records: Sequence[dict], modes: Sequence[str] = ("ful
     k = pop.num_pruned(pipe.num_layers)
     hits = {mode: defaultdict(list) for mode in modes}
     vision_tokens = []
+    ttft = {mode: [] for mode in modes}
     bar = tqdm(total=len(records) * len(modes), desc="shapes QA", disable=not progress)
-    for record in records:
+    for index, record in enumerate(records):
         image, question, answer = shapes.sample_from_record(record)
         inputs = pipe.build_inputs(image, question)
-        for mode in modes:
+        for mode in modes if index % 2 == 0 else modes[::-1]:
             result = pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens)
+            ttft[mode].append(result.timings.ttft_s)
             ok = shapes.score(result.text, answer)
             for group in ("all", f"type:{record['qtype']}", f"size:{record['width']}x{record['height']}"):
                 hits[mode][group].append(ok)
@@ -316,4 +322,5 @@ def shapes_qa_report(pipe, records: Sequence[dict], modes: Sequence[str] = ("ful
         "vision_tokens": {"mean": sum(vision_tokens) / len(vision_tokens), "min": min(vision_tokens),
                           "max": max(vision_tokens)},
         "accuracy": {mode: {group: sum(v) / len(v) for group, v in sorted(groups.items())} for mode, groups in hits.items()},
+        "ttft_median_s": {mode: statistics.median(times) for mode, times in ttft.items()},
     }

@@ -269,3 +269,17 @@ def test_device_turns_serve_in_arrival_order():
     [t.start() for t in threads]
     [t.join(10) for t in threads]
     assert order == ["first", "second", "third"]
+
+
+def test_rows_wait_for_room_in_the_token_budget(pipes, batched):
+    pipe = pipes("tiny-qwen3-vl")
+    requests = requests_for(pipe)[:3]
+    alone = [pipe.answer(r["image"], r["question"], mode="pop", pop=POP, max_new_tokens=8, ignore_eos=True).token_ids
+             for r in requests]
+    scheduler = batched(pipe, max_batch_size=3, max_tokens=1)  # one row at a time: every other row must wait
+    for r in requests:
+        r["mode"], r["max_new_tokens"] = "pop", 8
+    answers, errors = run_concurrently(pipe, requests, stagger_s=0.0, ignore_eos=True)
+    assert errors == [None] * 3
+    assert [a.token_ids for a in answers] == alone
+    assert scheduler.stats.max_rows_in_step == 1 and scheduler.stats.joined == 3
