@@ -31,7 +31,8 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *, trust_remote_code: bool = False) -> "Pipeline":
-    """Load a hub id, a local folder, or a zoo name (see `pop_vlm.zoo`) into a `Pipeline`."""
+    """Load a hub id, a local folder, or a zoo name (see `pop_vlm.zoo`) into a `Pipeline`. A folder shipped without
+    its pretrained language model (`pop_vlm.assembly`) is assembled with it."""
     import transformers
     from transformers import AutoConfig
 
@@ -43,11 +44,17 @@ def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     family = adapter_class_for(architecture)  # a clear error for unsupported models, before any weights load
-    model_class = getattr(transformers, architecture)
-    model = model_class.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=family.attention_implementation(device, architecture),
-        trust_remote_code=trust_remote_code, use_safetensors=True,
-    ).to(device).eval()
+    attention = family.attention_implementation(device, architecture)
+    if zoo.base_language_model(path) is not None:  # shipped without its pretrained language model
+        from .assembly import load_model
+
+        model = load_model(path, dtype=torch_dtype, attn_implementation=attention, name=name_or_path)
+    else:
+        model = getattr(transformers, architecture).from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attention, trust_remote_code=trust_remote_code,
+            use_safetensors=True,
+        )
+    model = model.to(device).eval()
     processor = family.load_processor(path, architecture, trust_remote_code=trust_remote_code)
     pipe = Pipeline(model, processor, name=name_or_path)
     profile = os.path.join(path, "importance.json")

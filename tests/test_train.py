@@ -59,6 +59,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, capsys):
     export = tmp_path / "whole-export"
     assert {"config.json", "model.safetensors", "model_card.md", "training_curve.json", "training_curve.png",
             "chat_template.jinja"} <= {p.name for p in export.iterdir()}
+    assert not (export / "base_model.json").exists()  # trained whole: exported whole, loaded as it is
     reloaded = load_qwen3_vl_processor(export)
     assert reloaded.tokenizer.get_vocab() == qwen3_vl.build_processor(options.parse_args(TINY)).tokenizer.get_vocab()
 

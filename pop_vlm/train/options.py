@@ -22,6 +22,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "$POP_VLM_CACHE, else $XDG_CACHE_HOME/pop-vlm, else $HF_HOME/pop-vlm, else ~/.cache/pop-vlm)")
     p.add_argument("--export-dir", default=None, help="default: assets/models/<model name>")
     p.add_argument("--export-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--ship", metavar="FOLDER", default=None,
+                   help="train nothing: turn FOLDER, a whole export (save_pretrained) of --family's model, into the "
+                        "shipped form (trained weights only) in --export-dir")
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
     p.add_argument("--profile", type=int, default=0, help="time this many steps and exit")
     _data_options(p)

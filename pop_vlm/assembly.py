@@ -1,0 +1,203 @@
+"""Models shipped without the pretrained language model they were trained around, assembled at load.
+
+A demo model whose language model is pretrained and frozen (`shapes-gemma-3` around Gemma-3 270M) ships only
+what was trained. Its folder holds the config, generation config, processor files and, in `model.safetensors`,
+the trained weights alone, plus `base_model.json`, which says where the rest comes from::
+
+    {"format": 1, "language_model": "gemma-3-270m", "prefix": "model.language_model.", "source_prefix": "model."}
+
+`language_model` names a converted model of `pop_vlm.zoo`; its weights whose names start with `source_prefix` are
+this model's weights under `prefix` (``model.layers.0...`` becomes ``model.language_model.layers.0...``). Tied
+weights (Gemma's output head is its token embedding) are not stored anywhere: they follow the weight they are
+tied to. Loading checks that every weight of the model is filled exactly once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import zoo
+
+BASE_MODEL_FILE = zoo.BASE_MODEL_FILE
+WEIGHTS = "model.safetensors"
+FORMAT = 1
+
+
+def base_description(language_model: str, prefix: str, source_prefix: str = "model.") -> dict:
+    """The content of `base_model.json`."""
+    if language_model not in zoo.CONVERTED:
+        raise ValueError(f"unknown pretrained language model {language_model!r}; known: {', '.join(zoo.CONVERTED)}")
+    return {"format": FORMAT, "language_model": language_model, "prefix": prefix, "source_prefix": source_prefix}
+
+
+def read_base(path: str | os.PathLike) -> dict:
+    """A folder's `base_model.json`, checked."""
+    file = Path(path) / BASE_MODEL_FILE
+    with open(file, encoding="utf-8") as handle:
+        base = json.load(handle)
+    if base.get("format") != FORMAT or not {"language_model", "prefix", "source_prefix"} <= set(base):
+        raise ValueError(f"{file} is not a base model description of format {FORMAT}: {base}")
+    return base_description(base["language_model"], base["prefix"], base["source_prefix"])
+
+
+def pretrained_state(language_model: str, prefix: str, source_prefix: str = "model.", progress: bool = True) -> dict:
+    """The converted model's weights, named as in the model that takes them (fp32, as converted)."""
+    from safetensors.torch import load_file
+
+    folder = zoo.CONVERTED[language_model](progress=progress)
+    weights = load_file(Path(folder) / "model.safetensors")
+    return {prefix + name.removeprefix(source_prefix): t for name, t in weights.items() if name.startswith(source_prefix)}
+
+
+def tied_aliases(model) -> dict[str, str]:
+    """State-dict names that share their parameter with an earlier name (tied weights): alias -> that name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
+def split_problems(model, trained: set[str], pretrained: set[str]) -> list[str]:
+    """What is wrong with filling `model`'s weights from these two sets of names (empty when each weight is
+    filled exactly once, tied ones through the weight they are tied to)."""
+    aliases = tied_aliases(model)
+    expected = set(model.state_dict()) - set(aliases)
+    problems = []
+    for what, names in (("missing", expected - trained - pretrained), ("not in the model", (trained | pretrained) - expected),
+                        ("given twice (trained and pretrained)", trained & pretrained)):
+        if names:
+            problems.append(f"{len(names)} weight(s) {what}: {', '.join(sorted(names)[:4])}{' ...' if len(names) > 4 else ''}")
+    return problems
+
+
+def write_trained(model, trained: dict, directory: str | os.PathLike, base: dict) -> Path:
+    """Write the trained weights (`model.safetensors`) and `base_model.json` into `directory`, after checking that
+    the weights left out are exactly those that the base's language model fills (only `model`'s names and ties
+    are read)."""
+    from safetensors.torch import save_file
+
+    prefix = base["prefix"]
+    under_prefix = {name for name in set(model.state_dict()) - set(tied_aliases(model)) if name.startswith(prefix)}
+    trained_there = sorted(name for name in trained if name.startswith(prefix))
+    if trained_there:
+        raise ValueError(f"weights under {prefix!r} were trained ({', '.join(trained_there[:4])}): the model cannot "
+                         f"be shipped without them; export it whole")
+    if problems := split_problems(model, set(trained), under_prefix):
+        raise ValueError("the trained weights and the pretrained language model do not make the model: " + "; ".join(problems))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.detach().contiguous().cpu() for name, t in trained.items()}, str(directory / WEIGHTS),
+              metadata={"format": "pt"})
+    os.chmod(directory / WEIGHTS, 0o644)  # save_file leaves it readable by its owner only
+    with open(directory / BASE_MODEL_FILE, "w", encoding="utf-8") as handle:
+        json.dump(base, handle, indent=1)
+    return directory / WEIGHTS
+
+
+def save_shipped(model, trained: dict, directory: str | os.PathLike, base: dict) -> Path:
+    """What `save_pretrained` writes (config, generation config, weights), the weights being the trained ones."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = model.dtype
+    model.config.save_pretrained(directory)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(directory)
+    return write_trained(model, trained, directory, base)
+
+
+def model_class_of(config):
+    import transformers
+
+    architecture = (getattr(config, "architectures", None) or ["?"])[0]
+    if not hasattr(transformers, architecture):
+        raise ValueError(f"unknown architecture {architecture!r} in the config")
+    return getattr(transformers, architecture)
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
+               progress: bool = True, name: str | None = None):
+    """Build the model of a shipped folder from its config and fill it: the language model from the pretrained
+    model that `base_model.json` names (converted on first use, with a progress bar), the rest from the folder."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    path = Path(path)
+    base = read_base(path)
+    zoo.require_package(base["language_model"], needed_by=name or str(path))
+    config = AutoConfig.from_pretrained(path)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with no_init_weights():  # every weight is overwritten below
+        model = model_class_of(config)._from_config(config, dtype=dtype, **kwargs)
+    model.tie_weights()  # skipped with the initialisation
+    trained = load_file(path / WEIGHTS)
+    pretrained = pretrained_state(base["language_model"], base["prefix"], base["source_prefix"], progress=progress)
+    if problems := split_problems(model, set(trained), set(pretrained)):
+        raise ValueError(f"{path} and {base['language_model']} do not make the model: " + "; ".join(problems))
+    model.load_state_dict({**pretrained, **trained}, strict=False)  # checked above; tied weights follow
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def read_weights(path: str | os.PathLike) -> dict:
+    """Every tensor of a folder's safetensors files (one file or shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no safetensors weights")
+    return {name: t for file in files for name, t in load_file(file).items()}
+
+
+def shrink(full_dir: str | os.PathLike, out_dir: str | os.PathLike, language_model: str, prefix: str,
+           source_prefix: str = "model.") -> Path:
+    """Turn a folder that `save_pretrained` wrote (the whole model) into the shipped form in `out_dir` (replaced
+    at once; it may be `full_dir` itself): the same files, the weights without the pretrained language model.
+
+    The language model in the folder must equal the pretrained one (in the folder's dtype): a model whose
+    language model was trained cannot be shipped without it."""
+    from transformers import AutoConfig
+
+    full_dir, out_dir = Path(full_dir), Path(out_dir)
+    base = base_description(language_model, prefix, source_prefix)
+    # loaded by transformers, which maps the names it writes (Gemma-3: "language_model.model.*") to the model's own
+    model, info = model_class_of(AutoConfig.from_pretrained(full_dir)).from_pretrained(
+        full_dir, dtype="auto", output_loading_info=True)
+    if odd := [f"{kind}: {names[:4]}" for kind, names in info.items() if kind.endswith("_keys") and names]:
+        raise ValueError(f"{full_dir} does not hold the whole model ({'; '.join(odd)})")
+    weights, aliases = model.state_dict(), tied_aliases(model)
+    check_pretrained_part(weights, pretrained_state(language_model, prefix, source_prefix), prefix, aliases, full_dir)
+    trained = {name: t for name, t in weights.items() if not name.startswith(prefix) and name not in aliases}
+    tmp = out_dir.with_name(out_dir.name + ".shrink")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(full_dir, tmp, ignore=lambda folder, names: [n for n in names if ".safetensors" in n])
+    write_trained(model, trained, tmp, base)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def check_pretrained_part(weights: dict, pretrained: dict, prefix: str, aliases: dict, where) -> None:
+    """The folder's language model (and what is tied to it) is the pretrained one, tensor for tensor."""
+    held = {name for name in weights if name.startswith(prefix) and name not in aliases}
+    if held != set(pretrained):
+        odd = sorted(held ^ set(pretrained))
+        raise ValueError(f"{where}: the language model's weights are not those of the pretrained model: {odd[:4]}")
+    for name, tensor in pretrained.items():
+        if not torch.equal(weights[name], tensor.to(weights[name].dtype)):
+            raise ValueError(f"{where}: {name} differs from the pretrained model's: the language model was trained, "
+                             "so the model cannot be shipped without it")
+    for alias, target in aliases.items():
+        if alias in weights and not torch.equal(weights[alias], weights[target]):
+            raise ValueError(f"{where}: {alias} should be tied to {target} but differs from it")
