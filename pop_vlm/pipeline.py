@@ -18,7 +18,7 @@ from .images import fit_image, load_image
 from .pop import make_plan
 from .results import Answer, Choice, Timings
 from .sampling import SamplingParams
-from .textstream import Piece, check_stop
+from .textstream import Piece, check_stop, local_decode
 
 
 @dataclass
@@ -339,6 +339,7 @@ class Pipeline:
         logprobs = choice.logprobs[: choice.text.tokens_covering(len(text))] if choice.logprobs is not None else None
         return Choice(choice.index, text, list(choice.token_ids), choice.finish_reason, logprobs, choice.scores)
 
+    @local_decode
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
