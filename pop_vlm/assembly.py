@@ -10,6 +10,13 @@ the trained weights alone, plus `base_model.json`, which says where the rest com
 this model's weights under `prefix` (``model.layers.0...`` becomes ``model.language_model.layers.0...``). Tied
 weights (Gemma's output head is its token embedding) are not stored anywhere: they follow the weight they are
 tied to. Loading checks that every weight of the model is filled exactly once.
+
+A model trained with low-rank adapters on its frozen language model also ships them, in `adapters.safetensors`,
+and `base_model.json` (format 2) describes them: ``"adapters": {"rank": 4, "alpha": 8.0, "targets": ["q_proj",
+...]}``. Each adapted weight ``<name>.weight`` of the language model has ``<name>.lora_A`` (rank x in) and
+``<name>.lora_B`` (out x rank) there, and loading merges them into the pretrained weight,
+W <- W + (alpha / rank)·B·A, before filling the model: the loaded model is a plain one. Every target weight of
+every layer has its pair, and each adapter is used exactly once.
 """
 from __future__ import annotations
 
@@ -24,14 +31,25 @@ from . import zoo
 
 BASE_MODEL_FILE = zoo.BASE_MODEL_FILE
 WEIGHTS = "model.safetensors"
+ADAPTERS_FILE = "adapters.safetensors"
+ADAPTER_A, ADAPTER_B = "lora_A", "lora_B"
 FORMAT = 1
+FORMAT_WITH_ADAPTERS = 2  # a reader of format 1 would load the model without its adapters: it must refuse it
 
 
-def base_description(language_model: str, prefix: str, source_prefix: str = "model.") -> dict:
-    """The content of `base_model.json`."""
+def base_description(language_model: str, prefix: str, source_prefix: str = "model.", adapters: dict | None = None) -> dict:
+    """The content of `base_model.json`; `adapters`: {"rank", "alpha", "targets"} of the adapters it ships."""
     if language_model not in zoo.CONVERTED:
         raise ValueError(f"unknown pretrained language model {language_model!r}; known: {', '.join(zoo.CONVERTED)}")
-    return {"format": FORMAT, "language_model": language_model, "prefix": prefix, "source_prefix": source_prefix}
+    base = {"format": FORMAT, "language_model": language_model, "prefix": prefix, "source_prefix": source_prefix}
+    if adapters is None:
+        return base
+    rank, alpha, targets = adapters.get("rank"), adapters.get("alpha"), adapters.get("targets")
+    if (set(adapters) != {"rank", "alpha", "targets"} or not isinstance(rank, int) or rank < 1
+            or not isinstance(alpha, (int, float)) or not alpha > 0 or not isinstance(targets, list) or not targets
+            or not all(isinstance(t, str) and t for t in targets)):
+        raise ValueError(f"not a description of low-rank adapters (rank >= 1, alpha > 0, targets): {adapters}")
+    return dict(base, format=FORMAT_WITH_ADAPTERS, adapters={"rank": rank, "alpha": float(alpha), "targets": targets})
 
 
 def read_base(path: str | os.PathLike) -> dict:
@@ -39,9 +57,48 @@ def read_base(path: str | os.PathLike) -> dict:
     file = Path(path) / BASE_MODEL_FILE
     with open(file, encoding="utf-8") as handle:
         base = json.load(handle)
-    if base.get("format") != FORMAT or not {"language_model", "prefix", "source_prefix"} <= set(base):
-        raise ValueError(f"{file} is not a base model description of format {FORMAT}: {base}")
-    return base_description(base["language_model"], base["prefix"], base["source_prefix"])
+    keys = {"format", "language_model", "prefix", "source_prefix"}
+    if not ((base.get("format") == FORMAT and set(base) == keys)
+            or (base.get("format") == FORMAT_WITH_ADAPTERS and set(base) == keys | {"adapters"})):
+        raise ValueError(f"{file} is not a base model description of format {FORMAT} or {FORMAT_WITH_ADAPTERS}: {base}")
+    return base_description(base["language_model"], base["prefix"], base["source_prefix"], base.get("adapters"))
+
+
+def adapter_problems(adapters: dict, spec: dict, shapes: dict) -> list[str]:
+    """What is wrong with filling the adapted weights of a language model (`shapes`: name -> shape of its weights)
+    from `adapters` as `spec` describes them (empty when each target weight has its pair, of the right shapes, and
+    no other tensor is there)."""
+    targets, rank = set(spec["targets"]), spec["rank"]
+    wanted = {name.removesuffix(".weight") for name in shapes
+              if name.endswith(".weight") and name.removesuffix(".weight").rpartition(".")[2] in targets}
+    given = {name.rpartition(".")[0] for name in adapters}
+    problems = []
+    if odd := sorted(n for n in adapters if n.rpartition(".")[2] not in (ADAPTER_A, ADAPTER_B)):
+        problems.append(f"{len(odd)} tensor(s) that are not adapters: {', '.join(odd[:4])}")
+    for what, stems in (("missing", wanted - given), ("for no target weight", given - wanted)):
+        if stems:
+            problems.append(f"{len(stems)} adapter(s) {what}: {', '.join(sorted(stems)[:4])}")
+    for stem in sorted(wanted & given):
+        out_features, in_features = shapes[stem + ".weight"]
+        for suffix, shape in ((ADAPTER_A, (rank, in_features)), (ADAPTER_B, (out_features, rank))):
+            held = adapters.get(f"{stem}.{suffix}")
+            if held is None or tuple(held.shape) != shape:
+                problems.append(f"{stem}.{suffix}: {'missing' if held is None else tuple(held.shape)}, not {shape}")
+    return problems
+
+
+def merge_adapters(weights: dict, adapters: dict, spec: dict, where) -> dict:
+    """`weights` with the adapters merged into their targets: W + (alpha / rank)·B·A, computed in fp32."""
+    shapes = {name: tuple(t.shape) for name, t in weights.items()}
+    if problems := adapter_problems(adapters, spec, shapes):
+        raise ValueError(f"{where}: the adapters do not fit the language model: " + "; ".join(problems[:4]))
+    scale = spec["alpha"] / spec["rank"]
+    merged = dict(weights)
+    for stem in {name.rpartition(".")[0] for name in adapters}:
+        weight = weights[stem + ".weight"]
+        update = adapters[f"{stem}.{ADAPTER_B}"].float() @ adapters[f"{stem}.{ADAPTER_A}"].float()
+        merged[stem + ".weight"] = (weight.float() + scale * update).to(weight.dtype)
+    return merged
 
 
 def pretrained_state(language_model: str, prefix: str, source_prefix: str = "model.", progress: bool = True) -> dict:
@@ -81,25 +138,39 @@ def split_problems(model, trained: set[str], pretrained: set[str]) -> list[str]:
 def write_trained(model, trained: dict, directory: str | os.PathLike, base: dict) -> Path:
     """Write the trained weights (`model.safetensors`) and `base_model.json` into `directory`, after checking that
     the weights left out are exactly those that the base's language model fills (only `model`'s names and ties
-    are read)."""
-    from safetensors.torch import save_file
-
+    are read). When the base names adapters, the trained adapters of the language model go to
+    `adapters.safetensors` instead, checked as loading will check them."""
     prefix = base["prefix"]
-    under_prefix = {name for name in set(model.state_dict()) - set(tied_aliases(model)) if name.startswith(prefix)}
+    adapters = {}
+    if spec := base.get("adapters"):
+        adapters = {name: t for name, t in trained.items()
+                    if name.startswith(prefix) and name.rpartition(".")[2] in (ADAPTER_A, ADAPTER_B)}
+        trained = {name: t for name, t in trained.items() if name not in adapters}
+    state = model.state_dict()
+    under_prefix = {name for name in set(state) - set(tied_aliases(model)) - set(adapters) if name.startswith(prefix)}
     trained_there = sorted(name for name in trained if name.startswith(prefix))
     if trained_there:
         raise ValueError(f"weights under {prefix!r} were trained ({', '.join(trained_there[:4])}): the model cannot "
                          f"be shipped without them; export it whole")
-    if problems := split_problems(model, set(trained), under_prefix):
+    if problems := split_problems(model, set(trained) | set(adapters), under_prefix):
         raise ValueError("the trained weights and the pretrained language model do not make the model: " + "; ".join(problems))
+    if spec and (problems := adapter_problems(adapters, spec, {n: tuple(state[n].shape) for n in under_prefix})):
+        raise ValueError("the adapters do not fit the language model: " + "; ".join(problems[:4]))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.detach().contiguous().cpu() for name, t in trained.items()}, str(directory / WEIGHTS),
-              metadata={"format": "pt"})
-    os.chmod(directory / WEIGHTS, 0o644)  # save_file leaves it readable by its owner only
+    save_weights(trained, directory / WEIGHTS)
+    if adapters:
+        save_weights(adapters, directory / ADAPTERS_FILE)
     with open(directory / BASE_MODEL_FILE, "w", encoding="utf-8") as handle:
         json.dump(base, handle, indent=1)
     return directory / WEIGHTS
+
+
+def save_weights(tensors: dict, file: Path):
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(file), metadata={"format": "pt"})
+    os.chmod(file, 0o644)  # save_file leaves it readable by its owner only
 
 
 def save_shipped(model, trained: dict, directory: str | os.PathLike, base: dict) -> Path:
@@ -126,7 +197,8 @@ def model_class_of(config):
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
                progress: bool = True, name: str | None = None):
     """Build the model of a shipped folder from its config and fill it: the language model from the pretrained
-    model that `base_model.json` names (converted on first use, with a progress bar), the rest from the folder."""
+    model that `base_model.json` names (converted on first use, with a progress bar) with the folder's adapters, if
+    any, merged into it, the rest from the folder."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, GenerationConfig
     from transformers.initialization import no_init_weights
@@ -140,7 +212,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn
         model = model_class_of(config)._from_config(config, dtype=dtype, **kwargs)
     model.tie_weights()  # skipped with the initialisation
     trained = load_file(path / WEIGHTS)
+    if base.get("adapters") and not (path / ADAPTERS_FILE).is_file():
+        raise ValueError(f"{path}: {BASE_MODEL_FILE} describes low-rank adapters but {ADAPTERS_FILE} is missing")
     pretrained = pretrained_state(base["language_model"], base["prefix"], base["source_prefix"], progress=progress)
+    if spec := base.get("adapters"):
+        pretrained = merge_adapters(pretrained, load_file(path / ADAPTERS_FILE), spec, path)
     if problems := split_problems(model, set(trained), set(pretrained)):
         raise ValueError(f"{path} and {base['language_model']} do not make the model: " + "; ".join(problems))
     model.load_state_dict({**pretrained, **trained}, strict=False)  # checked above; tied weights follow

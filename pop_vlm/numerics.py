@@ -49,6 +49,9 @@ class FusedKVProjection:
                 attn = adapter.layers[i].self_attn
                 scale = adapter.input_norm(i).weight.float() + offset
                 for proj in (attn.k_proj, attn.v_proj):
+                    if hasattr(proj, "lora_A"):  # its weight alone is not what it computes
+                        raise ValueError(f"layer {i}'s K/V projections carry unmerged low-rank adapters: merge them "
+                                         "into the weights (pop_vlm.load does) or use fused=False")
                     rows.append((proj.weight.float() * scale[None, :]).to(proj.weight.dtype))
                     biases.append(proj.bias)
             self.weight = torch.cat(rows, dim=0).contiguous()

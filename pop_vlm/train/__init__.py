@@ -1,7 +1,8 @@
 """Training of the bundled demo VLMs on the synthetic shapes task (`pop_vlm.shapes`), from scratch, on CPU or CUDA.
 
 `data` (scenes, batches, curriculum, held-out sets), one builder per model family (`families`), `heads` (training
-probes), `loop` (seeded, resumable training), `export` and `card` (model card); the curve is drawn by
+probes), `lora` (low-rank adapters on a frozen pretrained language model), `loop` (seeded, resumable training),
+`export` and `card` (model card); the curve is drawn by
 `pop_vlm.plots`, and `options` is the command line of `scripts/train_demo_vlm.py`. A family's demo model is one
 more builder file and its line in `FAMILIES`.
 """

@@ -3,8 +3,8 @@
 
 A model trained whole is written by `save_pretrained`. One trained around a frozen pretrained language model (its
 builder's `PRETRAINED`) is shipped small: the trained weights only, and `base_model.json` naming the language model
-that `pop_vlm.load` joins to them (`pop_vlm.assembly`). `ship_export` turns a whole export of such a model into
-that form.
+that `pop_vlm.load` joins to them (`pop_vlm.assembly`), with the low-rank adapters trained on it (`lora`), if
+any, in `adapters.safetensors`. `ship_export` turns a whole export of such a model (without adapters) into that form.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 from .. import assembly
 from ..plots import training_curve
+from . import lora
 from .card import model_card, use_section
 
 
@@ -32,7 +33,9 @@ def export(family, model, config, processor, args, info: dict, curve: list, test
     model.generation_config = family.generation_config(processor.tokenizer)
     pretrained = getattr(family, "PRETRAINED", None)
     if pretrained:
-        assembly.save_shipped(model, trained_state(model), tmp, assembly.base_description(**pretrained))
+        adapters = lora.settings_of(model)
+        base = assembly.base_description(**pretrained, adapters=adapters and adapters.description())
+        assembly.save_shipped(model, trained_state(model), tmp, base)
     else:
         model.save_pretrained(tmp, safe_serialization=True)
     processor.save_pretrained(tmp)
@@ -40,6 +43,8 @@ def export(family, model, config, processor, args, info: dict, curve: list, test
         handle.write(family.CHAT_TEMPLATE)
     size_mb = sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 1e6
     info = dict(info, size_mb=round(size_mb, 2))
+    if adapter_params := lora.count(model):
+        info["adapter_params"] = adapter_params
     with open(tmp / "training_curve.json", "w", encoding="utf-8") as handle:
         json.dump({"info": info, "curve": curve}, handle, indent=1)
     training_curve(curve, tmp / "training_curve.png")
@@ -58,11 +63,15 @@ def trained_state(model) -> dict:
 
 
 def load_trained(model, state: dict):
-    """Load a `trained_state` into a fresh model: only its frozen parameters may be missing."""
-    frozen = set(model.state_dict()) - set(trained_state(model))
+    """Load a `trained_state` into a fresh model: only its frozen parameters may be missing, and its adapters when
+    the state has none (a state from before they were added: they keep their start, the pretrained function)."""
+    may_miss = set(model.state_dict()) - set(trained_state(model))
+    adapters = {name for name in model.state_dict() if lora.is_adapter(name)}
+    if not any(name in state for name in adapters):
+        may_miss |= adapters
     result = model.load_state_dict(state, strict=False)
-    if result.unexpected_keys or set(result.missing_keys) - frozen:
-        raise ValueError(f"state does not fit the model: missing {sorted(set(result.missing_keys) - frozen)[:5]}, "
+    if result.unexpected_keys or set(result.missing_keys) - may_miss:
+        raise ValueError(f"state does not fit the model: missing {sorted(set(result.missing_keys) - may_miss)[:5]}, "
                          f"unexpected {result.unexpected_keys[:5]}")
 
 

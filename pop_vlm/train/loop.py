@@ -2,7 +2,9 @@
 
 Loss: cross-entropy on the answer token and the end-of-turn token after it, plus the probes of `heads` (vision
 features, question words); AdamW with linear warm-up then cosine decay, gradient clipping. Every few minutes it
-scores the held-out set, keeps the best weights, exports them and writes a checkpoint.
+scores the held-out set, keeps the best weights, exports them and writes a checkpoint. With `--lora-rank`, the
+frozen language model's low-rank adapters (`lora`) train too, in their own optimiser group, so that a checkpoint
+from before they were added resumes with them.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import zoo
+from . import lora
 from .data import EvalSet, make_batch, word_supervision
 from .export import export, load_trained, trained_state
 from .families import family as family_builder
@@ -75,10 +78,12 @@ class Trainer:
         self.processor = self.family.build_processor(args)
         self.enc = self.family.Encoder(self.processor)
         self.config = self.family.build_config(args, self.processor.tokenizer)
-        self.model = self.family.new_model(self.config).to(self.device)
+        self.adapters = lora.settings(args)
+        self.model = self._new_model().to(self.device)
         width = self.family.text_width(self.config)
         self.aux = AuxHeads(width).to(self.device)
-        self.n_params = sum(p.numel() for p in self.model.parameters())
+        # the model's own parameters, as shipped: adapters are merged into the weights they adapt
+        self.n_params = sum(p.numel() for n, p in self.model.named_parameters() if not lora.is_adapter(n))
         self.opt = self._model_optimiser()
         self.word_heads = WordHeads(width).to(self.device)
         self.word_opt = torch.optim.AdamW(self.word_heads.parameters(), lr=args.lr, betas=(0.9, 0.98),
@@ -91,39 +96,65 @@ class Trainer:
         self.state = new_state()
         self.val = self.test = None
 
+    def _new_model(self):
+        return lora.attach(self.family.new_model(self.config), self.family, self.adapters)
+
     def _model_optimiser(self):
-        """AdamW over the model and the vision probes; no weight decay on embeddings, norms and biases."""
+        """AdamW over the model and the vision probes; no weight decay on embeddings, norms and biases. Adapters, if
+        any, come last in a group of their own: the groups before are those of a run without them."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # a frozen LM stays out
+        adapters = [p for n, p in named if lora.is_adapter(n)]
+        named = [(n, p) for n, p in named if not lora.is_adapter(n)]
         decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
         no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
-        return torch.optim.AdamW(
-            [
-                {"params": decay + list(self.aux.parameters()), "weight_decay": self.args.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.args.lr,
-            betas=(0.9, 0.98),
-        )
+        groups = [
+            {"params": decay + list(self.aux.parameters()), "weight_decay": self.args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if adapters:
+            groups.append({"params": adapters, "weight_decay": self.args.weight_decay})
+        return torch.optim.AdamW(groups, lr=self.args.lr, betas=(0.9, 0.98))
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def resume_or_start(self):
         if self.ckpt_path.exists() and not self.args.fresh and not self.args.profile:
             ckpt = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+            adding = self._check_adapters(ckpt.get("lora"))
             load_trained(self.model, ckpt["model"])
             self.aux.load_state_dict(ckpt["aux"])
             if "word_heads" in ckpt:
                 self.word_heads.load_state_dict(ckpt["word_heads"])
                 self.word_opt.load_state_dict(ckpt["word_opt"])
-            self.opt.load_state_dict(ckpt["opt"])
+            opt = ckpt["opt"]
+            if adding:  # the adapters' group joins the saved ones, its optimiser state fresh
+                opt = dict(opt, param_groups=[*opt["param_groups"], self.opt.state_dict()["param_groups"][-1]])
+            self.opt.load_state_dict(opt)
             self.state = ckpt["state"]
-            log(f"resumed from {self.ckpt_path} at step {self.state['step']} ({self.state['images']} images)", self.log_path)
+            log(f"resumed from {self.ckpt_path} at step {self.state['step']} ({self.state['images']} images)"
+                + (f"; low-rank adapters {self.adapters.description()} added, starting at zero" if adding else ""),
+                self.log_path)
         else:
-            log(f"new run: {self.n_params:,} parameters; {self.command}", self.log_path)
+            adapters = f" (+ {lora.count(self.model):,} in low-rank adapters)" if self.adapters else ""
+            log(f"new run: {self.n_params:,} parameters{adapters}; {self.command}", self.log_path)
+
+    def _check_adapters(self, saved: dict | None) -> bool:
+        """Whether this run adds adapters to a checkpoint without them; adapters trained already must be resumed as
+        they were (dropping or reshaping them would lose what they learnt)."""
+        current = self.adapters and self.adapters.description()
+        if saved is None:
+            return current is not None
+        if saved != current:
+            wanted = (f"--lora-rank {saved['rank']} --lora-alpha {saved['alpha']:g} --lora-targets "
+                      + ",".join(short for short, module in lora.TARGETS.items() if module in saved["targets"]))
+            raise ValueError(f"{self.ckpt_path} was trained with low-rank adapters {saved}, this run asks for "
+                             f"{current or 'none'}: resume with {wanted}, or start over with --fresh")
+        return False
 
     def save(self):
         save_checkpoint(self.ckpt_path, dict(
             model=trained_state(self.model), aux=self.aux.state_dict(), opt=self.opt.state_dict(), state=self.state,
             word_heads=self.word_heads.state_dict(), word_opt=self.word_opt.state_dict(),
+            lora=self.adapters and self.adapters.description(),
         ))
 
     # ---- one step ---------------------------------------------------------------------------------------------
@@ -204,7 +235,7 @@ class Trainer:
         state = self.state
         if state["best"] is None or state["exported_step"] == state["best_info"]["step"]:
             return
-        best_model = self.family.new_model(self.config)
+        best_model = self._new_model()
         load_trained(best_model, state["best"])
         report = self.test.score(best_model) if self.test else None
         info = dict(state["best_info"], total_minutes=state["train_seconds"] / 60, total_images=state["images"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import lora
 from .families import FAMILIES, family
 
 
@@ -56,6 +57,13 @@ def _model_options(p):
     p.add_argument("--vision-layers", type=int, default=3)
     p.add_argument("--vision-width", type=int, default=128)
     p.add_argument("--vision-pos-grid", type=int, default=32)
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help=f"gemma3: trainable low-rank adapters of rank R (at most {lora.MAX_RANK}) on the frozen language "
+                        "model, merged into it at load (0: none); a run resumed with them added starts them at zero")
+    p.add_argument("--lora-alpha", type=float, default=None, help="the adapters' update is scaled by alpha / R (default: 2R)")
+    p.add_argument("--lora-targets", default=lora.DEFAULT_TARGETS,
+                   help=f"adapted Linear layers of every decoder layer, among {','.join(lora.TARGETS)} "
+                        f"(default: the attention's {lora.DEFAULT_TARGETS})")
 
 
 def _optimisation_options(p):
@@ -78,7 +86,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         parser.error(f"--word-layer must be between 0 and --text-layers - 1 ({args.text_layers - 1})")
     if args.steps is not None and args.steps < 0:
         parser.error("--steps must be >= 0")
-    check = getattr(family(args.family), "options_problem", None)
+    builder = family(args.family)
+    check = getattr(builder, "options_problem", None)
     if check and (problem := check(args)):
+        parser.error(problem)
+    if problem := lora.options_problem(args, builder):
         parser.error(problem)
     return args
