@@ -150,6 +150,7 @@ class ModelManager:
         return {"running": self.admission.running, "queue_length": self.admission.waiting,
                 "batch_size": sum(s.rows for s in schedulers), "max_batch_size": self.admission.max_running,
                 "decode_steps": sum(s.stats.steps for s in schedulers),
+                "decode_rows": sum(s.stats.rows_stepped for s in schedulers),
                 "rows_per_step": round(sum(s.stats.rows_stepped for s in schedulers)
                                        / max(1, sum(s.stats.steps for s in schedulers)), 3)}
 

@@ -172,7 +172,7 @@ def _sampling(body, limits: Limits, max_tokens, default_max_tokens: int, max_tok
                 top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                 max_new_tokens=max_tokens or min(default_max_tokens, limits.max_new_tokens),
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                stop=[body.stop] if isinstance(body.stop, str) else body.stop)
+                stop=[body.stop] if isinstance(body.stop, str) else body.stop, ignore_eos=bool(body.ignore_eos))
 
 
 def _common(body, **fields) -> GenerationRequest:

@@ -115,12 +115,18 @@ def event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _guarded(manager, produce):
+def _guarded(manager, produce, streams):
     """Server-sent events from `produce()`, holding the device; failures after the headers are out become an
-    error event, as OpenAI's streams report them, and the stream still ends with [DONE]."""
+    error event, as OpenAI's streams report them, and the stream still ends with [DONE]. Closed early (the client
+    went away), it closes the request's piece `streams` before it gives up its place: their generation stops and
+    leaves the batch now, rather than whenever the garbage collector reaches them."""
     try:
         with manager.admitted():
-            yield from produce()
+            try:
+                yield from produce()
+            finally:
+                for pieces in streams:
+                    pieces.close()
     except Busy as err:
         yield event(APIError(429, str(err), kind="rate_limit_error", code="busy").body())
     except ValueError as err:
@@ -156,7 +162,7 @@ def chat_events(manager, streams, request_id: str, model: str, n: int, include_u
         if include_usage:
             yield event(head([], usage=usage([answer]), **extensions))
 
-    return _guarded(manager, produce)
+    return _guarded(manager, produce, streams)
 
 
 def completion_events(manager, streams, request_id: str, model: str, n: int, include_usage: bool,
@@ -186,4 +192,4 @@ def completion_events(manager, streams, request_id: str, model: str, n: int, inc
         if include_usage:
             yield event(head([], usage=usage(answers), timings=answers[0].timings.as_dict(), pop=pop_info(answers[0])))
 
-    return _guarded(manager, produce)
+    return _guarded(manager, produce, streams)

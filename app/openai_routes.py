@@ -6,6 +6,7 @@ import logging
 import os
 import time
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.concurrency import iterate_in_threadpool, run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +45,23 @@ def streamed(chunk_model) -> dict:
                        "is sent as an ErrorResponse before [DONE]"}
     return {200: {"content": {"text/event-stream": {"schema": {
         "type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}}}}}
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from a generator that runs in the thread pool. However the response ends, the generator is
+    closed then: a stream cut short (the client went away) would otherwise keep the request's place in the
+    admission, and its batch row, until the garbage collector breaks the reference cycle the cancellation leaves."""
+
+    def __init__(self, events):
+        super().__init__(iterate_in_threadpool(events), media_type="text/event-stream")
+        self.events = events
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # the response's task may be cancelled: closing must still run
+                await run_in_threadpool(self.events.close)
 
 
 def add_openai_routes(api: FastAPI, manager: ModelManager, policy: ImageFetchPolicy) -> None:
@@ -96,7 +114,7 @@ def add_openai_routes(api: FastAPI, manager: ModelManager, policy: ImageFetchPol
         logprobs, request_id = Logprobs(pipe.token_text), completion_id("chatcmpl")
         if request.stream:
             events = chat_events(manager, streams, request_id, model_name, request.n, request.include_usage, logprobs)
-            return StreamingResponse(iterate_in_threadpool(events), media_type="text/event-stream")
+            return EventStream(events)
         (answer,) = await run(manager, streams)
         return chat_body(request_id, model_name, answer, logprobs)
 
@@ -111,7 +129,7 @@ def add_openai_routes(api: FastAPI, manager: ModelManager, policy: ImageFetchPol
         if request.stream:
             events = completion_events(manager, streams, request_id, model_name, request.n, request.include_usage,
                                        logprobs)
-            return StreamingResponse(iterate_in_threadpool(events), media_type="text/event-stream")
+            return EventStream(events)
         return completion_body(request_id, model_name, await run(manager, streams), logprobs)
 
     @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],

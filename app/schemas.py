@@ -141,6 +141,8 @@ class Sampling(Strict):
     stream_options: Optional[StreamOptions] = None
     user: Optional[Text] = None
     pop: Optional[PopOptions] = None
+    ignore_eos: Optional[Flag] = Field(None, description="decode exactly max_tokens tokens, past the end-of-turn "
+                                                         "token (benchmarks of a fixed answer length; vLLM's name)")
 
     @model_validator(mode="before")
     @classmethod

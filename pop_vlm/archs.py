@@ -162,3 +162,21 @@ def build(name: str, scale: float = 1.0, vocab: int | None = None, dtype: torch.
 
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def save_pretrained(name: str, directory, scale: float = 1.0, seed: int = 0):
+    """`name` at width `scale` with random weights and its real vocabulary, saved with an offline processor (the
+    family's `bench_processor`) to `directory`, which `pop_vlm.load` and `pop-vlm serve --model` then read.
+    Returns the folder."""
+    from pathlib import Path
+
+    from .families import adapter_class_for
+
+    built = build(name, scale=scale, vocab=None, seed=seed)
+    processor = adapter_class_for(built.architecture).bench_processor(built.model)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    built.model.generation_config.eos_token_id = tokenizer.eos_token_id  # random weights: ends only at max_tokens
+    directory = Path(directory)
+    built.model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory

@@ -141,3 +141,43 @@ def training_curve(curve: list[dict], path) -> None:
     ax[1].set_ylabel("held-out accuracy")
     ax[1].legend(fontsize=7)
     save(fig, path, dpi=90)
+
+
+def serving_sweep(report: dict, path) -> None:
+    """The serving benchmark (PNG): generated tokens/s and TTFT p99 against the number of clients, per model,
+    serial vs batched server, full vs POP. A TTFT that is a lower bound (requests still waiting at the time bound)
+    is drawn as an upward triangle."""
+    plt = pyplot()
+    rows = report["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 6.4), squeeze=False)
+    colors = {"full": "tab:gray", "pop": "tab:blue", "static": "tab:orange"}
+    for column, model in enumerate(models):
+        top, bottom = axes[0][column], axes[1][column]
+        for server, style in (("serial", "--"), ("batched", "-")):
+            for mode in dict.fromkeys(r["mode"] for r in rows):
+                line = sorted((r for r in rows if (r["model"], r["server"], r["mode"]) == (model, server, mode)),
+                              key=lambda r: r["clients"])
+                if not line:
+                    continue
+                clients = [r["clients"] for r in line]
+                top.plot(clients, [r["tokens_per_s"] for r in line], style + "o", color=colors.get(mode, "k"),
+                         mfc="none" if server == "serial" else None, label=f"{server} {mode}")
+                ttft = [float("nan") if r["ttft_p99_s"] is None else r["ttft_p99_s"] for r in line]
+                bottom.plot(clients, ttft, style, color=colors.get(mode, "k"))
+                for r, value in zip(line, ttft):
+                    bottom.plot([r["clients"]], [value], "^" if r.get("ttft_lower_bound") else "o",
+                                color=colors.get(mode, "k"), mfc="none" if server == "serial" else None)
+        top.set_title(model, fontsize=10)
+        top.set_ylabel("generated tokens/s")
+        bottom.set_ylabel("TTFT p99 (s)")
+        bottom.set_yscale("log")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent clients")
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=7)
+    meta = report["meta"]
+    fig.suptitle(f"serial vs continuous batching ({meta['device']}, {meta.get('dtype_resolved', meta['dtype'])}; "
+                 "▲ TTFT at least this: requests still queued at the time bound)", fontsize=9)
+    save(fig, path)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import threading
 
 import openai
@@ -149,3 +150,31 @@ def test_gradio_compare_returns_both_answers_and_timings(server, image_path):
         client.predict(handle_file(image_path), "  ", "", "2", 5, api_name="/compare")
     again = client.predict(None, QUESTION, "", "1", 3, api_name="/compare")
     assert again["pop"]["pruned_layers"] == [5]
+
+
+@pytest.fixture(scope="module")
+def shapes_client():
+    """The bundled demo model, which ends its one-word answers with its end-of-turn token."""
+    return TestClient(create_app(ModelManager("shapes-qwen3-vl", device="cpu"), load_in_background=False))
+
+
+def test_ignore_eos_decodes_exactly_max_tokens(shapes_client):
+    from pop_vlm.zoo import assets_dir
+
+    messages = image_message(str(assets_dir() / "images" / "shapes_1.png"), "What color is the circle?")
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0}
+    natural = shapes_client.post("/v1/chat/completions", json=body).json()
+    assert natural["choices"][0]["finish_reason"] == "stop" and natural["usage"]["completion_tokens"] < 6
+    forced = shapes_client.post("/v1/chat/completions", json={**body, "ignore_eos": True}).json()
+    assert forced["choices"][0]["finish_reason"] == "length" and forced["usage"]["completion_tokens"] == 6
+    assert forced["choices"][0]["message"]["content"] == natural["choices"][0]["message"]["content"]
+    stream = {**body, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with shapes_client.stream("POST", "/v1/chat/completions", json=stream) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    legacy = shapes_client.post("/v1/completions", json={"prompt": "what color", "max_tokens": 5, "temperature": 0,
+                                                         "ignore_eos": True}).json()
+    assert legacy["choices"][0]["finish_reason"] == "length" and legacy["usage"]["completion_tokens"] == 5
+    refused = shapes_client.post("/v1/chat/completions", json={**body, "ignore_eos": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "ignore_eos"

@@ -103,6 +103,12 @@ class FamilyAdapter:
         return None
 
     @classmethod
+    def bench_processor(cls, model):
+        """A processor (tokenizer, and image processor for VLMs) for a model of `archs.build` with its real
+        vocabulary, built offline, so that the model can be saved and served like a downloaded one."""
+        raise NotImplementedError(f"{cls.name} has no offline processor for benchmark models")
+
+    @classmethod
     def bench_prompt_ids(cls, model, special: dict, head: list[int], tail: list[int], pixels: dict | None) -> list[int]:
         """Token ids of a benchmark prompt: text `head`, the image's tokens when `pixels` is given, text `tail`."""
         return ([special["bos"]] if "bos" in special else []) + head + tail

@@ -54,6 +54,16 @@ class Qwen3VLAdapter(FamilyAdapter):
         )
 
     @classmethod
+    def bench_processor(cls, model):
+        from ..processors import ImageOnlyQwen3VLProcessor
+
+        tokenizer = qwen3_tokenizer()
+        if model.config.text_config.vocab_size < len(tokenizer):
+            raise ValueError("the Qwen3 tokenizer needs the real vocabulary: build the model with vocab=None")
+        return ImageOnlyQwen3VLProcessor(image_processor=cls.bench_image_processor(model), tokenizer=tokenizer,
+                                         video_processor=None, chat_template=QWEN3_VL_CHAT_TEMPLATE)
+
+    @classmethod
     def bench_prompt_ids(cls, model, special, head, tail, pixels):
         if pixels is None:
             return head + tail
