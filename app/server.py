@@ -1,6 +1,8 @@
 """One server process: the OpenAI-style HTTP API and the Gradio page (mounted at /)."""
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import os
 import socket
 import threading
@@ -26,7 +28,8 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
     `api_keys`: every /v1/* request needs one as a bearer token; the page then asks for a login (`ui_auth`'s users,
     or an API key as the password)."""
     policy = policy or ImageFetchPolicy()
-    api = FastAPI(title="pop-vlm", description="Vision-language models with Prefill-Only Pruning")
+    api = FastAPI(title="pop-vlm", description="Vision-language models with Prefill-Only Pruning",
+                  lifespan=worker_threads_for(manager))
     if api_keys:
         api.add_middleware(RequireAPIKey, keys=api_keys)  # added first: innermost, so refusals get the headers below
     api.add_middleware(AddResponseHeader, name=REPLICA_HEADER, value=replica or process_name())
@@ -64,6 +67,22 @@ def create_app(manager: ModelManager, *, policy: ImageFetchPolicy | None = None,
     else:
         manager.load_default()
     return app
+
+
+def worker_threads_for(manager: ModelManager):
+    """A lifespan that sizes the worker threads to the requests the server admits: each running or queued request
+    holds a thread (streams are produced in threads), and with fewer threads than that the running requests could
+    not get one to send their next token while queued ones wait for a place."""
+    import anyio.to_thread
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        needed = manager.admission.max_running + manager.admission.max_queue + 8
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, needed)
+        yield
+
+    return lifespan
 
 
 def page_events_waiting(demo: gr.Blocks) -> int:

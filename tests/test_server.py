@@ -178,3 +178,20 @@ def test_ignore_eos_decodes_exactly_max_tokens(shapes_client):
     assert legacy["choices"][0]["finish_reason"] == "length" and legacy["usage"]["completion_tokens"] == 5
     refused = shapes_client.post("/v1/chat/completions", json={**body, "ignore_eos": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "ignore_eos"
+
+
+def test_worker_threads_cover_every_admitted_request(tmp_path):
+    """Each running or queued request holds a worker thread: with fewer, running streams could not send."""
+    import anyio.to_thread
+    from fastapi.testclient import TestClient
+
+    from app.limits import Limits
+    from pop_vlm import zoo
+
+    model_dir = zoo.save_tiny("tiny-qwen3", tmp_path / "tiny")
+    manager = ModelManager(str(model_dir), device="cpu", limits=Limits(queue_size=100, max_batch_size=16))
+    with TestClient(create_app(manager, load_in_background=False)) as client:
+        async def threads():
+            return anyio.to_thread.current_default_thread_limiter().total_tokens
+
+        assert client.portal.call(threads) >= 16 + 100
