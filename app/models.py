@@ -74,8 +74,7 @@ class ModelManager:
         self.limits = limits or Limits.from_env()
         self.allowed_root = Path(allowed_root).resolve() if allowed_root else None
         self.admission = Admission(max_running=max(1, int(self.limits.max_batch_size)),
-                                   max_queue=max(0, int(self.limits.queue_size)),
-                                   max_tokens=int(self.limits.max_tokens_in_flight) or None)
+                                   max_queue=max(0, int(self.limits.queue_size)))
         self.turns = DeviceTurns()  # one device: the models' schedulers take turns on it
         self._pipelines: OrderedDict[str, pop_vlm.Pipeline] = OrderedDict()
         self._load_lock = threading.Lock()
@@ -123,7 +122,8 @@ class ModelManager:
                 raise ModelError(f"cannot load model {name!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
             if self.admission.max_running > 1:
                 pipe.scheduler = BatchScheduler(pipe.adapter, max_batch_size=self.admission.max_running,
-                                                turns=self.turns, max_tokens=self.admission.max_tokens)
+                                                turns=self.turns,
+                                                max_tokens=int(self.limits.max_tokens_in_flight) or None)
             self._pipelines[name] = pipe
             while len(self._pipelines) > self.max_loaded:
                 _, evicted = self._pipelines.popitem(last=False)
