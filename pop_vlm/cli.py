@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+import time
 from importlib.metadata import entry_points
 
-from .config import MODES, PopConfig
+from .config import MODES, PopConfig, check_full_tail
 from .config import parse_prune_layers as parse_prune_value
 
 #: entry-point group through which installed packages add commands (the app adds `serve`): the library never
@@ -20,6 +22,14 @@ def parse_prune_layers(text: str):
         return parse_prune_value(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def full_tail_value(text: str):
+    """--full-tails: a positive number of tokens, or 'text' (everything after the last image token)."""
+    try:
+        return check_full_tail(text if text == "text" else int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a full tail is a positive number of tokens or 'text', got {text!r}") from None
 
 
 def format_timings(rows: list[tuple[str, object]]) -> str:
@@ -106,20 +116,29 @@ def cmd_eval(args) -> int:
     import json
 
     from . import evaluate
+    from .bench import environment
     from .importance import LayerImportance
 
     pipe = _load_for_study(args)
     if args.importance:
         pipe.auto_k = LayerImportance.from_json(args.importance).auto_k(args.budget)
+    # one CPU thread: TTFT on the thread's CPU clock, so that other processes' time slices are not counted
+    clock = "thread CPU time" if args.threads == 1 and pipe.device.type == "cpu" else "wall clock"
+    if clock == "thread CPU time":
+        pipe.timer = time.thread_time
     qa = None
     if args.qa:
         with open(args.qa) as f:
             qa = [json.loads(line) for line in f if line.strip()]
     results = evaluate.run_eval(
         pipe, ks=args.ks, n_prompts=args.prompts, prompt_tokens=args.prompt_tokens, continuation=args.continuation,
-        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials, passkey_ks=args.passkey_ks, qa_samples=qa, seed=args.seed,
-        progress=True,
+        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials, passkey_ks=args.passkey_ks,
+        ablation_ks=args.ablation_ks, full_tails=args.full_tails, qa_samples=qa, qa_match=args.qa_match,
+        qa_max_new_tokens=args.qa_max_new_tokens, seed=args.seed, progress=True,
     )
+    results["settings"]["clock"] = clock
+    results["command"] = "pop-vlm " + " ".join(shlex.quote(a) for a in args.argv)
+    results["environment"] = environment(pipe.device)
     paths = evaluate.save(results, args.out)
     print(evaluate.markdown_table(results))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -179,7 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
             study.add_argument("--passkey-trials", type=int, default=4, help="prompts per length")
             study.add_argument("--passkey-ks", type=int, nargs="+", help="prune depths for passkey (default: --ks)")
             study.add_argument("--importance", help="importance.json: adds pop at its auto k")
-            study.add_argument("--qa", help="jsonl of {image, question, answer} for image QA (VLMs)")
+            study.add_argument("--ablation-ks", type=int, nargs="+",
+                               help="prune depths of the ablations and --full-tails (default: --ks)")
+            study.add_argument("--full-tails", type=full_tail_value, nargs="+", default=[],
+                               help="also POP with these full tails (a number of tokens, or 'text') at --ablation-ks")
+            study.add_argument("--qa", help="jsonl of {image, question, answer} for image QA (VLMs), or of shapes-task "
+                                            "records such as assets/qa/shapes_test.jsonl")
+            study.add_argument("--qa-match", choices=["contains", "exact"],
+                               help="how an answer counts (default: exact for shapes-task records, else contains)")
+            study.add_argument("--qa-max-new-tokens", type=int, default=16)
         study.set_defaults(func=func)
     return parser
 
@@ -193,6 +220,7 @@ def _missing_app() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the record of what was run
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, OSError) as err:

@@ -17,11 +17,10 @@ Prompts, keys and depths come from a seeded generator at run time; nothing is ch
 """
 from __future__ import annotations
 
-import statistics
-
 import json
 import math
 import random
+import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -35,6 +34,8 @@ from .importance import pydoc_corpus, text_passages
 from .pop import PrefillPlan, make_plan, prefill
 
 VARIANTS = ("full", "pop", "static", "pop-no-kv", "pop-no-boundary", "pop-auto")
+ABLATIONS = ("pop-no-kv", "pop-no-boundary")
+QA_MATCHES = ("contains", "exact")
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,17 @@ def variant_plan(adapter: FamilyAdapter, variant: Variant) -> PrefillPlan:
     return make_plan(adapter, variant.mode, variant.pop)
 
 
-def variants_for(ks: Sequence[int], names: Sequence[str] = VARIANTS, auto_k: int | None = None) -> list[Variant]:
+def variants_for(ks: Sequence[int], names: Sequence[str] = VARIANTS, auto_k: int | None = None,
+                 ablation_ks: Sequence[int] | None = None, full_tails: Sequence[int | str] = ()) -> list[Variant]:
+    """Full, then per k the named variants; the ablations (`pop-no-kv`, `pop-no-boundary`) and POP with each of
+    `full_tails` only at `ablation_ks` (default: every k), then POP at the importance profile's `auto_k`."""
+    ablation_ks = set(ks if ablation_ks is None else ablation_ks)
     out = [Variant("full", 0)] if "full" in names else []
     for k in ks:
-        out += [Variant(n, k) for n in names if n not in ("full", "pop-auto")]
+        out += [Variant(n, k) for n in names
+                if n not in ("full", "pop-auto") and (n not in ABLATIONS or k in ablation_ks)]
+        if k in ablation_ks:
+            out += [Variant("pop", k, full_tail=tail) for tail in full_tails if tail != 1]
     if "pop-auto" in names and auto_k is not None:
         out.append(Variant("pop-auto", auto_k))
     return out
@@ -184,35 +192,68 @@ def passkey(pipe, variants: Sequence[Variant], *, lengths: Sequence[int] = (256,
 
 # ---- image QA ------------------------------------------------------------------------------------------------------
 def _triple(sample) -> tuple:
+    """(image, question, answer) from a triple, a dict with those keys, or a shapes-task record (its scene is
+    drawn by `pop_vlm.shapes`, as in `assets/qa/shapes_test.jsonl`)."""
     if isinstance(sample, dict):
+        if "objects" in sample and "image" not in sample:
+            from . import shapes
+
+            return shapes.sample_from_record(sample)
         return sample["image"], sample["question"], sample["answer"]
     image, question, answer = sample
     return image, question, answer
+
+
+def is_shapes_record(sample) -> bool:
+    return isinstance(sample, dict) and "objects" in sample and "image" not in sample
 
 
 def normalise(text: str) -> str:
     return " ".join("".join(c.lower() if c.isalnum() else " " for c in str(text)).split())
 
 
-def image_qa_accuracy(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_tokens: int = 16,
-                      progress: bool = False) -> dict:
-    """Accuracy per variant over (image, question, answer) triples (or dicts with those keys): an answer counts
-    when the normalised expected answer occurs in the normalised generated text."""
+def answer_matches(text: str, expected: str, match: str = "contains") -> bool:
+    """`contains`: the normalised expected answer occurs in the normalised answer (free-form answers);
+    `exact`: the normalised texts are equal (one-word answers, as the shapes task scores them)."""
+    if match not in QA_MATCHES:
+        raise ValueError(f"unknown answer match {match!r}: use one of {', '.join(QA_MATCHES)}")
+    if match == "exact":
+        return normalise(text) == normalise(expected)
+    return normalise(expected) in normalise(text)
+
+
+def image_qa(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_tokens: int = 16,
+             match: str = "contains", progress: bool = False) -> dict:
+    """Accuracy and median TTFT per variant over (image, question, answer) triples, dicts with those keys or
+    shapes-task records. Each sample's inputs are built once and every variant answers them in turn (alternating
+    order, so the variants share inputs and machine state); TTFT is read with `pipe.timer`."""
     from tqdm.auto import tqdm
 
     if not pipe.is_multimodal:
         raise ValueError(f"{pipe.name} is not a vision-language model")
-    samples = [_triple(s) for s in samples]
+    answer_matches("", "", match)  # an unknown match fails before any work
+    samples = list(samples)
     hits = {v.label: [] for v in variants}
+    ttft = {v.label: [] for v in variants}
     bar = tqdm(total=len(samples) * len(variants), desc="image QA", disable=not progress)
-    for image, question, expected in samples:
+    for index, sample in enumerate(samples):
+        image, question, expected = _triple(sample)
         inputs = pipe.build_inputs(image, question)
-        for variant in variants:
-            text = pipe.generate(inputs, mode=variant.mode, pop=variant.pop, max_new_tokens=max_new_tokens).text
-            hits[variant.label].append(normalise(expected) in normalise(text))
+        for variant in variants if index % 2 == 0 else variants[::-1]:
+            result = pipe.generate(inputs, mode=variant.mode, pop=variant.pop, max_new_tokens=max_new_tokens)
+            hits[variant.label].append(answer_matches(result.text, expected, match))
+            ttft[variant.label].append(result.timings.ttft_s)
             bar.update()
     bar.close()
-    return {label: _mean(v) for label, v in hits.items()}
+    return {"n": len(samples), "match": match,
+            "accuracy": {label: _mean(v) for label, v in hits.items()},
+            "ttft_median_s": {label: statistics.median(v) if v else math.nan for label, v in ttft.items()}}
+
+
+def image_qa_accuracy(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_tokens: int = 16,
+                      match: str = "contains", progress: bool = False) -> dict:
+    """Accuracy per variant (see `image_qa`)."""
+    return image_qa(pipe, samples, variants, max_new_tokens=max_new_tokens, match=match, progress=progress)["accuracy"]
 
 
 # ---- a whole evaluation --------------------------------------------------------------------------------------------
@@ -225,45 +266,68 @@ def default_ks(num_layers: int) -> list[int]:
 def run_eval(pipe, *, ks: Sequence[int] | None = None, names: Sequence[str] = VARIANTS, n_prompts: int = 8,
              prompt_tokens: int = 256, continuation: int = 32, passkey_lengths: Sequence[int] = (256, 1024, 4096),
              passkey_trials: int = 4, passkey_names: Sequence[str] = ("full", "pop", "static"),
-             passkey_ks: Sequence[int] | None = None,
-             qa_samples: Iterable | None = None, seed: int = 0, progress: bool = False) -> dict:
-    """Fidelity, passkey and (for VLMs with samples) image QA; a JSON-ready dict."""
+             passkey_ks: Sequence[int] | None = None, ablation_ks: Sequence[int] | None = None,
+             full_tails: Sequence[int | str] = (), qa_samples: Iterable | None = None, qa_match: str | None = None,
+             qa_max_new_tokens: int = 16, seed: int = 0, progress: bool = False) -> dict:
+    """Fidelity on text (skipped with `n_prompts=0`), passkey (skipped with `passkey_trials=0`) and, for VLMs with
+    samples, image QA; a JSON-ready dict. `qa_match` defaults to `exact` for shapes-task records, else `contains`."""
     ks = list(ks) if ks else default_ks(pipe.num_layers)
     names = list(names)
     if "pop-auto" in names and pipe.auto_k is None:
         names.remove("pop-auto")
-    variants = variants_for(ks, names, pipe.auto_k)
+    variants = variants_for(ks, names, pipe.auto_k, ablation_ks, full_tails)
     out = {"model": str(pipe.name), "num_layers": pipe.num_layers, "ks": ks, "auto_k": pipe.auto_k, "seed": seed,
            "settings": {"n_prompts": n_prompts, "prompt_tokens": prompt_tokens, "continuation": continuation,
                         "passkey_lengths": list(passkey_lengths), "passkey_trials": passkey_trials,
-                        "passkey_ks": list(ks if passkey_ks is None else passkey_ks)}}
+                        "passkey_ks": list(ks if passkey_ks is None else passkey_ks),
+                        "ablation_ks": list(ks if ablation_ks is None else ablation_ks),
+                        "full_tails": list(full_tails)}}
     out["fidelity"] = fidelity(pipe, variants, n_prompts=n_prompts, prompt_tokens=prompt_tokens,
-                               continuation=continuation, seed=seed, progress=progress)
+                               continuation=continuation, seed=seed, progress=progress) if n_prompts > 0 else {}
     if passkey_lengths and passkey_trials:
         pk_ks = set(ks if passkey_ks is None else passkey_ks)
-        pk_variants = [v for v in variants if v.name in passkey_names and (v.name == "full" or v.k in pk_ks)]
+        pk_variants = [v for v in variants if v.name in passkey_names and v.full_tail == 1
+                       and (v.name == "full" or v.k in pk_ks)]
         out["passkey"] = passkey(pipe, pk_variants, lengths=passkey_lengths, trials=passkey_trials, seed=seed,
                                  progress=progress)
     if qa_samples is not None and pipe.is_multimodal:
-        out["image_qa"] = image_qa_accuracy(pipe, qa_samples, variants, progress=progress)
+        qa_samples = list(qa_samples)
+        match = qa_match or ("exact" if qa_samples and all(map(is_shapes_record, qa_samples)) else "contains")
+        qa = image_qa(pipe, qa_samples, variants, max_new_tokens=qa_max_new_tokens, match=match, progress=progress)
+        out["image_qa"] = qa["accuracy"]
+        out["image_qa_ttft_median_s"] = qa["ttft_median_s"]
+        out["settings"].update(qa_n=qa["n"], qa_match=match, qa_max_new_tokens=qa_max_new_tokens)
     return out
 
 
 def markdown_table(results: dict) -> str:
-    """One row per variant: agreement, KL, passkey accuracy per length, image QA."""
-    fid = results["fidelity"]
+    """One row per variant: agreement and KL on text, passkey accuracy per length, image QA accuracy and TTFT (the
+    columns of the parts that ran)."""
+    fid = results.get("fidelity") or {}
     pk = results.get("passkey", {})
     lengths = [str(n) for n in pk.get("lengths", [])]
     qa = results.get("image_qa", {})
-    head = ["variant", "agreement", "1st-token agr.", "KL 1st", "KL mean"] + [f"passkey@{n}" for n in lengths]
+    qa_ttft = results.get("image_qa_ttft_median_s", {})
+    labels = list(fid) + [label for label in qa if label not in fid]
+    head = ["variant"]
+    head += ["agreement", "1st-token agr.", "KL 1st", "KL mean"] if fid else []
+    head += [f"passkey@{n}" for n in lengths]
     head += ["image QA"] if qa else []
+    head += ["TTFT ms", "TTFT full/variant"] if qa_ttft else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, f in fid.items():
-        row = [label, f"{f['agreement']:.3f}", f"{f['first_token_agreement']:.3f}", f"{f['kl_first']:.3f}", f"{f['kl_mean']:.3f}"]
+    for label in labels:
+        row = [label]
+        if fid:
+            f = fid.get(label)
+            row += ([f"{f['agreement']:.3f}", f"{f['first_token_agreement']:.3f}", f"{f['kl_first']:.3f}",
+                     f"{f['kl_mean']:.3f}"] if f else ["–"] * 4)
         acc = pk.get("accuracy", {}).get(label)
         row += [f"{acc[n]:.2f}" if acc else "–" for n in lengths]
         if qa:
-            row += [f"{qa[label]:.2f}" if label in qa else "–"]
+            row += [f"{qa[label]:.3f}" if label in qa else "–"]
+        if qa_ttft:
+            t, full = qa_ttft.get(label), qa_ttft.get("full")
+            row += [f"{t * 1e3:.1f}" if t else "–", f"{full / t:.2f}×" if t and full else "–"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

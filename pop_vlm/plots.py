@@ -78,44 +78,68 @@ def bench_speedups(report: dict, path) -> None:
 
 
 def quality_against_k(results: dict, path) -> None:
-    """Agreement and mean KL against k for pop, static and the ablations (PNG)."""
+    """Against k, for pop, static and the ablations: agreement and mean KL on text (when measured), passkey
+    accuracy per length (when measured) and image-QA accuracy (when measured) (PNG)."""
     plt = pyplot()
-    fid = results["fidelity"]
+    fid = results.get("fidelity") or {}
     ks = results["ks"]
-    fig, axes = plt.subplots(1, 3 if "passkey" in results else 2, figsize=(13 if "passkey" in results else 9, 3.8))
+    panels = (2 if fid else 0) + ("passkey" in results) + ("image_qa" in results)
+    if not panels:
+        raise ValueError("nothing to plot: the results hold no fidelity, passkey or image QA")
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels + 0.4, 3.8), squeeze=False)
+    axes = list(axes[0])
     styles = {"pop": ("#4C72B0", "o-"), "static": ("#C44E52", "s-"), "pop-no-kv": ("#8172B2", "^--"),
               "pop-no-boundary": ("#937860", "v--")}
-    for name, (color, style) in styles.items():
-        labels = [f"{name}@{k}" for k in ks]
-        if not all(label in fid for label in labels):
-            continue
-        axes[0].plot(ks, [fid[label]["agreement"] for label in labels], style, color=color, label=name)
-        axes[1].plot(ks, [fid[label]["kl_mean"] for label in labels], style, color=color, label=name)
-    auto = [label for label in fid if label.startswith("pop-auto@")]
-    for label in auto:
-        k = int(label.split("@")[1])
-        axes[0].plot([k], [fid[label]["agreement"]], "*", color="k", ms=12, label="pop auto")
-        axes[1].plot([k], [fid[label]["kl_mean"]], "*", color="k", ms=12, label="pop auto")
-    axes[0].set_ylabel("next-token agreement with full")
-    axes[1].set_ylabel("KL(full ‖ variant), nats")
-    axes[1].set_yscale("symlog", linthresh=1e-3)
-    for ax in axes[:2]:
+
+    def against_k(ax, values: dict, key=None):
+        """One line per variant family over the ks it ran at, the auto k as a star."""
+        for name, (color, style) in styles.items():
+            points = [(k, values[f"{name}@{k}"]) for k in ks if f"{name}@{k}" in values]
+            if points:
+                ax.plot([k for k, _ in points], [v if key is None else v[key] for _, v in points], style,
+                        color=color, label=name)
+        for label in (label for label in values if label.startswith("pop-auto@")):
+            value = values[label] if key is None else values[label][key]
+            ax.plot([int(label.split("@")[1])], [value], "*", color="k", ms=12, label="pop auto")
         ax.set_xlabel("k (layers skipped)")
         ax.set_xticks(ks)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+
+    if fid:
+        ax_agree, ax_kl = axes.pop(0), axes.pop(0)
+        against_k(ax_agree, fid, "agreement")
+        against_k(ax_kl, fid, "kl_mean")
+        ax_agree.set_ylabel("next-token agreement with full")
+        ax_kl.set_ylabel("KL(full ‖ variant), nats")
+        ax_kl.set_yscale("symlog", linthresh=1e-3)
+        ax_agree.legend(fontsize=8)
     if "passkey" in results:
+        ax = axes.pop(0)
         pk = results["passkey"]
         lengths = pk["lengths"]
         for label, acc in pk["accuracy"].items():
             style = "-" if label == "full" else ("o-" if label.startswith("pop") else "s--")
-            axes[2].plot(lengths, [acc[str(n)] for n in lengths], style, label=label)
-        axes[2].set_xscale("log", base=2)
-        axes[2].set_xlabel("context length (tokens)")
-        axes[2].set_ylabel(f"passkey accuracy ({pk['trials']} trials per length)")
-        axes[2].set_ylim(-0.05, 1.05)
-        axes[2].legend(fontsize=7)
-        axes[2].grid(alpha=0.3)
+            ax.plot(lengths, [acc[str(n)] for n in lengths], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(f"passkey accuracy ({pk['trials']} trials per length)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    if "image_qa" in results:
+        ax = axes.pop(0)
+        qa = results["image_qa"]
+        against_k(ax, qa)
+        if "full" in qa:
+            ax.axhline(qa["full"], color="#55A868", lw=1.5, label="full")
+        tails = [label for label in qa if "+tail" in label]
+        for label in tails:
+            ax.plot([int(label.split("@")[1].split("+")[0])], [qa[label]], "D", ms=7, mfc="none",
+                    label=label.replace("+tail", ", full_tail="))
+        n = results.get("settings", {}).get("qa_n")
+        ax.set_ylabel("image QA accuracy" + (f" ({n} questions)" if n else ""))
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=7)
     fig.suptitle(f"{results['model']} ({results['num_layers']} layers): POP vs static removal")
     save(fig, path)
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""The shipped layer-importance profile of the bundled shapes demo model.
+"""The shipped layer-importance profile of a bundled shapes demo model (written into its folder).
 
 Calibration: fresh shapes-task scenes (seeds 800,000,000 + i: the training range, disjoint from the test set),
 one question each, with labels sampled from the model (virtual-gate Fisher importance, `Pipeline.importance`).
 
     python scripts/importance_shapes.py --samples 48 --draws 4
+    python scripts/importance_shapes.py --model shapes-gemma-3
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--draws", type=int, default=4, help="label draws per sample")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--plot", default="benchmarks/results/shapes-qwen3-vl-importance.png")
+    parser.add_argument("--plot", default=None, help="default: benchmarks/results/<model name>-importance.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pipe = pop_vlm.load(args.model, device="cpu")
@@ -37,6 +38,7 @@ def main() -> int:
     profile = pipe.importance(samples, samples_per_prompt=args.draws, progress=True)
     out = Path(zoo.resolve(args.model)) / "importance.json"
     profile.to_json(out)
+    args.plot = args.plot or f"benchmarks/results/{Path(args.model).name}-importance.png"
     plots.importance_profile(profile, args.plot)
     for row in profile.as_table():
         print(f"layer {row['layer']}: prefill {row['prefill_share']:.4f}  decode {row['decode_share']:.4f}  "

@@ -180,6 +180,60 @@ def test_image_qa_accuracy(pipelines, picture):
         ev.image_qa_accuracy(pipelines("tiny-llama"), [], variants)
 
 
+def test_variants_put_ablations_and_tails_at_their_ks():
+    labels = [v.label for v in ev.variants_for([3, 6, 9], auto_k=4, ablation_ks=[6], full_tails=["text", 1, 4])]
+    assert labels == ["full", "pop@3", "static@3", "pop@6", "static@6", "pop-no-kv@6", "pop-no-boundary@6",
+                      "pop@6+tailtext", "pop@6+tail4", "pop@9", "static@9", "pop-auto@4"]
+    tail = ev.variants_for([6], ("full", "pop"), full_tails=["text"])[-1]
+    assert (tail.mode, tail.pop.full_tail, tail.pop.prune_layers) == ("pop", "text", 6)
+
+
+def test_answer_matching():
+    assert ev.answer_matches("It is Red.", "red") and not ev.answer_matches("It is Red.", "red", "exact")
+    assert ev.answer_matches(" Red! ", "red", "exact") and not ev.answer_matches("reddish", "red", "exact")
+    with pytest.raises(ValueError, match="unknown answer match"):
+        ev.answer_matches("red", "red", "fuzzy")
+
+
+def test_eval_on_shapes_records_without_text_parts(pipelines, tmp_path):
+    """Image QA alone (no text fidelity, no passkey) on shapes-task records: exact match, every variant timed."""
+    from pop_vlm import shapes
+
+    pipe = pipelines("tiny-gemma3-vlm")
+    records = shapes.make_records(range(800_000_000, 800_000_003))
+    expected = pipe.answer(*shapes.sample_from_record(records[0])[:2], mode="full", max_new_tokens=3).text
+    records[0] = dict(records[0], answer=expected or "-")  # the tiny model's own answer: a hit under full
+    results = ev.run_eval(pipe, ks=[1, 2], n_prompts=0, passkey_trials=0, ablation_ks=[2], full_tails=["text"],
+                          qa_samples=records, qa_max_new_tokens=3)
+    assert results["fidelity"] == {} and "passkey" not in results
+    assert results["settings"]["qa_match"] == "exact" and results["settings"]["qa_n"] == 3
+    labels = ["full", "pop@1", "static@1", "pop@2", "static@2", "pop-no-kv@2", "pop-no-boundary@2", "pop@2+tailtext"]
+    assert list(results["image_qa"]) == labels and list(results["image_qa_ttft_median_s"]) == labels
+    assert results["image_qa"]["full"] >= (1 / 3 if expected.strip() else 0.0)
+    assert all(t > 0 for t in results["image_qa_ttft_median_s"].values())
+    paths = ev.save(results, tmp_path)
+    table = paths["markdown"].read_text()
+    assert "| pop@2+tailtext |" in table and "agreement" not in table and "TTFT full/variant" in table
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_command_on_shapes_records(tmp_path):
+    from pop_vlm import shapes
+
+    folder = zoo.save_tiny("tiny-gemma3-vlm", tmp_path / "model")
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(r) + "\n" for r in shapes.make_records(range(800_000_000, 800_000_002))))
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(folder), "--out", str(out), "--ks", "2", "--prompts", "0",
+                     "--passkey-trials", "0", "--full-tails", "text", "--qa", str(qa), "--threads", "1"]) == 0
+    results = json.loads((out / "eval.json").read_text())
+    assert set(results["image_qa"]) == {"full", "pop@2", "static@2", "pop-no-kv@2", "pop-no-boundary@2", "pop@2+tailtext"}
+    assert results["settings"]["qa_match"] == "exact" and results["settings"]["clock"] == "thread CPU time"
+    assert results["command"].startswith("pop-vlm eval --model ") and "--full-tails text" in results["command"]
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", str(folder), "--out", str(out), "--full-tails", "0"])
+
+
 def test_passkey_prompt_hides_the_key(pipelines):
     import random
 

@@ -69,6 +69,31 @@ def test_the_seed_decides_the_weights(tmp_path):
     assert not torch.equal(a["model"]["lm_head.weight"], b["model"]["lm_head.weight"])
 
 
+def test_a_run_resumed_with_other_inputs_chooses_its_best_model_afresh(tmp_path, capsys):
+    """More image tokens (here: pixels) on resume: the best weights chosen on the old inputs are dropped, so the
+    export cannot pair them with the new inputs; every run is recorded and listed in the model card."""
+    tiny_run(tmp_path, "run", 1, "--val-size", "2")
+    first = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=False)["state"]
+    assert first["best"] is not None and len(first["runs"]) == 1
+    second = tiny_run(tmp_path, "run", 2, "--max-pixels", "32768")["state"]
+    assert "inputs changed (max_pixels 16384 -> 32768)" in capsys.readouterr().out
+    assert [r["step"] for r in second["runs"]] == [0, 1]
+    assert [r["inputs"]["max_pixels"] for r in second["runs"]] == [16384, 32768]
+    assert second["best_info"]["step"] == 2  # chosen after the change, not kept from step 1
+    card = (tmp_path / "run-export" / "model_card.md").read_text()
+    assert "* steps 0-1: `test`" in card and "* from step 1: `test`" in card
+
+
+def test_bf16_autocast_trains_float32_weights(tmp_path):
+    """--autocast bf16 changes the arithmetic (the weights differ from the float32 run of the same seed) but not
+    what is stored: finite float32 weights."""
+    fp32 = tiny_run(tmp_path, "fp32", 2)
+    bf16 = tiny_run(tmp_path, "bf16", 2, "--autocast", "bf16")
+    assert all(t.dtype == torch.float32 for t in bf16["model"].values() if t.is_floating_point())
+    assert any(not torch.equal(t, fp32["model"][n]) for n, t in bf16["model"].items())
+    assert all(torch.isfinite(t).all() for t in bf16["model"].values() if t.is_floating_point())
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--family", "llava"], "invalid choice: 'llava'"),
     (["--text-layers", "2", "--word-layer", "2"], "--word-layer must be between 0 and --text-layers - 1"),

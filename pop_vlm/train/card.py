@@ -13,7 +13,7 @@ def model_card(family, config, processor, args, info: dict, test_report: dict | 
     lines = [f"# {family.MODEL_NAME}", "", *family.card_intro(), ""]
     lines += task_section() + data_section(args)
     lines += ["## Model", "", *family.card_model(config, processor, args, info), ""]
-    lines += training_section(args, info)
+    lines += training_section(family, args, info)
     if test_report:
         lines += accuracy_section(test_report)
     lines += use_section(family)
@@ -46,7 +46,7 @@ def data_section(args) -> list[str]:
     ]
 
 
-def training_section(args, info: dict) -> list[str]:
+def training_section(family, args, info: dict) -> list[str]:
     return [
         "## Training",
         "",
@@ -54,11 +54,12 @@ def training_section(args, info: dict) -> list[str]:
         info["command"],
         "```",
         "",
+        *runs_lines(info.get("runs", [])),
         f"Trained on {info['device']} ({info['threads']} thread(s)) for {info['total_minutes']:.0f} minutes and "
         f"{info['total_images']:,} images by the time of this export. The exported weights are those with the best "
         f"held-out accuracy ({info['val_accuracy']:.3f}), reached at step {info['step']:,} after {info['images']:,} "
         f"images and {info['train_minutes']:.0f} minutes of training.",
-        "Loss: cross-entropy on the answer token and `<|im_end|>` only, plus two auxiliary losses whose small",
+        f"Loss: cross-entropy on the answer token and `{family.EOS_TOKEN}` only, plus two auxiliary losses whose small",
         "heads are not exported: per merged vision token, the colour and shape of the object under it (or",
         "background) and its canvas half, from the vision features; and at each colour or shape word of a",
         "question, the number, side, colour and shape of the objects the phrase so far refers to, from the",
@@ -67,6 +68,19 @@ def training_section(args, info: dict) -> list[str]:
         "accuracy over training.",
         "",
     ]
+
+
+def runs_lines(runs: list[dict]) -> list[str]:
+    """The runs that trained the model when it took more than one (each resumed from the one before)."""
+    if len(runs) < 2 and not (runs and runs[0]["step"] > 0):
+        return []
+    lines = ["Training ran in several runs, each resumed from the checkpoint of the one before:", ""]
+    if runs[0]["step"] > 0:
+        lines.append(f"* steps 0-{runs[0]['step']:,}: the runs before are in the training log (`train.log`)")
+    for run, after in zip(runs, runs[1:] + [None]):
+        span = f"from step {run['step']:,}" if after is None else f"steps {run['step']:,}-{after['step']:,}"
+        lines.append(f"* {span}: `{run['command']}`")
+    return lines + [""]
 
 
 def accuracy_section(report: dict) -> list[str]:

@@ -55,7 +55,16 @@ def save_checkpoint(path: Path, state: dict):
 
 
 def new_state() -> dict:
-    return dict(step=0, images=0, train_seconds=0.0, curve=[], best=None, best_acc=-1.0, best_info=None, exported_step=-1)
+    return dict(step=0, images=0, train_seconds=0.0, curve=[], best=None, best_acc=-1.0, best_info=None, exported_step=-1,
+                runs=[])
+
+
+#: options that decide what the model is shown: a run resumed with other values chooses its best model afresh
+INPUT_OPTIONS = ("image_size", "patch_size", "image_tokens", "max_pixels", "min_pixels")
+
+
+def input_settings(args) -> dict:
+    return {name: getattr(args, name) for name in INPUT_OPTIONS}
 
 
 class Trainer:
@@ -136,6 +145,20 @@ class Trainer:
         else:
             adapters = f" (+ {lora.count(self.model):,} in low-rank adapters)" if self.adapters else ""
             log(f"new run: {self.n_params:,} parameters{adapters}; {self.command}", self.log_path)
+        self._record_run()
+
+    def _record_run(self):
+        """Add this run (its first step, command and inputs) to the state's list of runs. Shown other inputs than
+        the run before (more image tokens, say), the best model so far was chosen on inputs this model no longer
+        gets: the held-out selection starts again, so an export never pairs old weights with new inputs."""
+        state, inputs = self.state, input_settings(self.args)
+        runs = state.setdefault("runs", [])  # checkpoints from before runs were recorded have none
+        before = runs[-1]["inputs"] if runs else inputs
+        if before != inputs:
+            changed = ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in inputs.items() if before.get(k) != v)
+            log(f"inputs changed ({changed}): the best model is chosen afresh from step {state['step']}", self.log_path)
+            state.update(best=None, best_acc=-1.0, best_info=None)
+        runs.append(dict(step=state["step"], command=self.command, inputs=inputs))
 
     def _check_adapters(self, saved: dict | None) -> bool:
         """Whether this run adds adapters to a checkpoint without them; adapters trained already must be resumed as
@@ -168,14 +191,16 @@ class Trainer:
         lr = lr_at(state["step"], args)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        hidden, vis_feats = enc.forward_hidden(
-            self.model, pixel_values.to(device), grid.to(device), input_ids.to(device), mask.to(device), position_ids.to(device)
-        )
-        logits = enc.answer_logits(self.model, hidden, targets, with_eos=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            hidden, vis_feats = enc.forward_hidden(
+                self.model, pixel_values.to(device), grid.to(device), input_ids.to(device), mask.to(device),
+                position_ids.to(device)
+            )
+            logits = enc.answer_logits(self.model, hidden, targets, with_eos=True).float()
+            aux_loss = self._aux_loss(torch.cat(vis_feats), aux_t)
+            word_loss = self._word_loss(seqs, targets, scenes)
         labels = torch.tensor([a for t in targets for a in t[2]], device=device)
         answer_loss = F.cross_entropy(logits, labels)
-        aux_loss = self._aux_loss(torch.cat(vis_feats), aux_t)
-        word_loss = self._word_loss(seqs, targets, scenes)
         loss = answer_loss + args.aux_weight * aux_loss + args.word_weight * word_loss
         self.opt.zero_grad(set_to_none=True)
         self.word_opt.zero_grad(set_to_none=True)
@@ -216,7 +241,7 @@ class Trainer:
     def snapshot_info(self) -> dict:
         return dict(command=self.command, step=self.state["step"], images=self.state["images"],
                     train_minutes=self.state["train_seconds"] / 60, device=str(self.device), threads=self.args.threads,
-                    params=self.n_params)
+                    params=self.n_params, runs=list(self.state.get("runs", [])))
 
     def evaluate(self) -> dict:
         """Score the held-out set, add it to the curve and keep the weights when they are the best so far."""
