@@ -194,11 +194,11 @@ def passkey(pipe, variants: Sequence[Variant], *, lengths: Sequence[int] = (256,
 def _triple(sample) -> tuple:
     """(image, question, answer) from a triple, a dict with those keys, or a shapes-task record (its scene is
     drawn by `pop_vlm.shapes`, as in `assets/qa/shapes_test.jsonl`)."""
-    if isinstance(sample, dict):
-        if "objects" in sample and "image" not in sample:
-            from . import shapes
+    if is_shapes_record(sample):
+        from . import shapes
 
-            return shapes.sample_from_record(sample)
+        return shapes.sample_from_record(sample)
+    if isinstance(sample, dict):
         return sample["image"], sample["question"], sample["answer"]
     image, question, answer = sample
     return image, question, answer
@@ -212,12 +212,16 @@ def normalise(text: str) -> str:
     return " ".join("".join(c.lower() if c.isalnum() else " " for c in str(text)).split())
 
 
+def check_match(match: str) -> str:
+    if match not in QA_MATCHES:
+        raise ValueError(f"unknown answer match {match!r}: use one of {', '.join(QA_MATCHES)}")
+    return match
+
+
 def answer_matches(text: str, expected: str, match: str = "contains") -> bool:
     """`contains`: the normalised expected answer occurs in the normalised answer (free-form answers);
     `exact`: the normalised texts are equal (one-word answers, as the shapes task scores them)."""
-    if match not in QA_MATCHES:
-        raise ValueError(f"unknown answer match {match!r}: use one of {', '.join(QA_MATCHES)}")
-    if match == "exact":
+    if check_match(match) == "exact":
         return normalise(text) == normalise(expected)
     return normalise(expected) in normalise(text)
 
@@ -231,7 +235,7 @@ def image_qa(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_to
 
     if not pipe.is_multimodal:
         raise ValueError(f"{pipe.name} is not a vision-language model")
-    answer_matches("", "", match)  # an unknown match fails before any work
+    check_match(match)  # before any work
     samples = list(samples)
     hits = {v.label: [] for v in variants}
     ttft = {v.label: [] for v in variants}

@@ -38,12 +38,12 @@ def main() -> int:
     profile = pipe.importance(samples, samples_per_prompt=args.draws, progress=True)
     out = Path(zoo.resolve(args.model)) / "importance.json"
     profile.to_json(out)
-    args.plot = args.plot or f"benchmarks/results/{Path(args.model).name}-importance.png"
-    plots.importance_profile(profile, args.plot)
+    plot = args.plot or f"benchmarks/results/{Path(args.model).name}-importance.png"
+    plots.importance_profile(profile, plot)
     for row in profile.as_table():
         print(f"layer {row['layer']}: prefill {row['prefill_share']:.4f}  decode {row['decode_share']:.4f}  "
               f"BI {row['block_influence']:.3f}")
-    print(f"auto k = {profile.auto_k()}; wrote {out} and {args.plot}")
+    print(f"auto k = {profile.auto_k()}; wrote {out} and {plot}")
     return 0
 
 
