@@ -11,7 +11,8 @@ Measures:
   at the first token and averaged along the continuation.
 - **Passkey retrieval.** A 5-digit key at a random depth of real filler text (CPython's pydoc topics), asked for
   at the end; accuracy by context length.
-- **Image QA** (VLMs): exact-containment accuracy over given (image, question, answer) triples.
+- **Image QA** (VLMs): accuracy over given (image, question, answer) triples, the answer containing the expected
+  one or equal to it (`pop_vlm.scoring`).
 
 Prompts, keys and depths come from a seeded generator at run time; nothing is chosen per mode.
 """
@@ -21,21 +22,22 @@ import json
 import math
 import random
 import statistics
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from . import plots
-from .config import PopConfig
+from .config import PopConfig, check_mode
 from .families.base import FamilyAdapter
 from .generate import decode_one_token, generate_tokens
 from .importance import pydoc_corpus, text_passages
 from .pop import PrefillPlan, make_plan, prefill
+from .scoring import QA_MATCHES, answer_matches, check_match, normalise  # noqa: F401 (still importable from here)
 
 VARIANTS = ("full", "pop", "static", "pop-no-kv", "pop-no-boundary", "pop-auto")
 ABLATIONS = ("pop-no-kv", "pop-no-boundary")
-QA_MATCHES = ("contains", "exact")
 
 
 @dataclass(frozen=True)
@@ -208,29 +210,16 @@ def is_shapes_record(sample) -> bool:
     return isinstance(sample, dict) and "objects" in sample and "image" not in sample
 
 
-def normalise(text: str) -> str:
-    return " ".join("".join(c.lower() if c.isalnum() else " " for c in str(text)).split())
-
-
-def check_match(match: str) -> str:
-    if match not in QA_MATCHES:
-        raise ValueError(f"unknown answer match {match!r}: use one of {', '.join(QA_MATCHES)}")
-    return match
-
-
-def answer_matches(text: str, expected: str, match: str = "contains") -> bool:
-    """`contains`: the normalised expected answer occurs in the normalised answer (free-form answers);
-    `exact`: the normalised texts are equal (one-word answers, as the shapes task scores them)."""
-    if check_match(match) == "exact":
-        return normalise(text) == normalise(expected)
-    return normalise(expected) in normalise(text)
-
-
 def image_qa(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_tokens: int = 16,
-             match: str = "contains", progress: bool = False) -> dict:
+             match: str = "contains", group_by: Callable[[object], Sequence[str]] | None = None,
+             progress: bool = False) -> dict:
     """Accuracy and median TTFT per variant over (image, question, answer) triples, dicts with those keys or
     shapes-task records. Each sample's inputs are built once and every variant answers them in turn (alternating
-    order, so the variants share inputs and machine state); TTFT is read with `pipe.timer`."""
+    order, so the variants share inputs and machine state); TTFT is read with `pipe.timer`.
+
+    With `group_by` (a sample -> the names of the groups it counts in, e.g. `shapes_groups`), also
+    `accuracy_by_group` ({label: {group: accuracy}}, groups sorted) and the prompts' `vision_tokens`
+    ({mean, min, max})."""
     from tqdm.auto import tqdm
 
     if not pipe.is_multimodal:
@@ -239,19 +228,33 @@ def image_qa(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_to
     samples = list(samples)
     hits = {v.label: [] for v in variants}
     ttft = {v.label: [] for v in variants}
+    group_hits = {v.label: defaultdict(list) for v in variants}
+    vision_tokens = []
     bar = tqdm(total=len(samples) * len(variants), desc="image QA", disable=not progress)
     for index, sample in enumerate(samples):
         image, question, expected = _triple(sample)
+        groups = list(group_by(sample)) if group_by else []
         inputs = pipe.build_inputs(image, question)
         for variant in variants if index % 2 == 0 else variants[::-1]:
             result = pipe.generate(inputs, mode=variant.mode, pop=variant.pop, max_new_tokens=max_new_tokens)
-            hits[variant.label].append(answer_matches(result.text, expected, match))
+            ok = answer_matches(result.text, expected, match)
+            hits[variant.label].append(ok)
+            for group in groups:
+                group_hits[variant.label][group].append(ok)
             ttft[variant.label].append(result.timings.ttft_s)
             bar.update()
+        if variants:
+            vision_tokens.append(result.n_image_tokens)  # the same inputs, so the same count for every variant
     bar.close()
-    return {"n": len(samples), "match": match,
-            "accuracy": {label: _mean(v) for label, v in hits.items()},
-            "ttft_median_s": {label: statistics.median(v) if v else math.nan for label, v in ttft.items()}}
+    out = {"n": len(samples), "match": match,
+           "accuracy": {label: _mean(v) for label, v in hits.items()},
+           "ttft_median_s": {label: statistics.median(v) if v else math.nan for label, v in ttft.items()}}
+    if group_by is not None:
+        out["accuracy_by_group"] = {label: {group: _mean(v) for group, v in sorted(by_group.items())}
+                                    for label, by_group in group_hits.items()}
+        out["vision_tokens"] = ({"mean": _mean(vision_tokens), "min": min(vision_tokens), "max": max(vision_tokens)}
+                                if vision_tokens else {"mean": math.nan, "min": None, "max": None})
+    return out
 
 
 def image_qa_accuracy(pipe, samples: Iterable, variants: Sequence[Variant], *, max_new_tokens: int = 16,
@@ -355,40 +358,26 @@ def save(results: dict, out_dir) -> dict:
 
 
 # ---- the synthetic shapes task ------------------------------------------------------------------------------------
+def shapes_groups(record: dict) -> list[str]:
+    """The groups a shapes-task record is scored in: all records, its question type, its canvas size."""
+    return ["all", f"type:{record['qtype']}", f"size:{record['width']}x{record['height']}"]
+
+
 def shapes_qa_report(pipe, records: Sequence[dict], modes: Sequence[str] = ("full", "pop", "static"),
                      prune_layers=None, max_new_tokens: int = 4, progress: bool = False) -> dict:
     """Exact-match accuracy of each mode on shapes-task records (`pop_vlm.shapes`), overall, by question type and
-    by canvas size, with the vision-token counts and each mode's median TTFT (the modes run one after the other on
-    each record's inputs, in alternating order, so both see the same inputs and the same machine state; the clock is
-    `pipe.timer`). `prune_layers` defaults to L/3."""
-    from collections import defaultdict
-
-    from tqdm.auto import tqdm
-
-    from . import shapes
-
+    by canvas size (`shapes_groups`), with the vision-token counts and each mode's median TTFT (`image_qa`: the
+    modes take turns on each record's inputs, in alternating order; the clock is `pipe.timer`). `prune_layers`
+    defaults to L/3."""
     pop = PopConfig() if prune_layers is None else PopConfig(prune_layers=prune_layers)
     k = pop.num_pruned(pipe.num_layers)
-    hits = {mode: defaultdict(list) for mode in modes}
-    vision_tokens = []
-    ttft = {mode: [] for mode in modes}
-    bar = tqdm(total=len(records) * len(modes), desc="shapes QA", disable=not progress)
-    for index, record in enumerate(records):
-        image, question, answer = shapes.sample_from_record(record)
-        inputs = pipe.build_inputs(image, question)
-        for mode in modes if index % 2 == 0 else modes[::-1]:
-            result = pipe.generate(inputs, mode=mode, pop=pop, max_new_tokens=max_new_tokens)
-            ttft[mode].append(result.timings.ttft_s)
-            ok = shapes.score(result.text, answer)
-            for group in ("all", f"type:{record['qtype']}", f"size:{record['width']}x{record['height']}"):
-                hits[mode][group].append(ok)
-            bar.update()
-        vision_tokens.append(result.n_image_tokens)
-    bar.close()
+    variants = [Variant(check_mode(mode), k) for mode in modes]  # a Variant takes any other name as a POP variant
+    qa = image_qa(pipe, records, variants, max_new_tokens=max_new_tokens, match="exact", group_by=shapes_groups,
+                  progress=progress)
+    # the report is keyed by mode ("pop"), image_qa's results by variant label ("pop@2")
     return {
         "model": str(pipe.name), "n": len(records), "k": k, "num_layers": pipe.num_layers,
-        "vision_tokens": {"mean": sum(vision_tokens) / len(vision_tokens), "min": min(vision_tokens),
-                          "max": max(vision_tokens)},
-        "accuracy": {mode: {group: sum(v) / len(v) for group, v in sorted(groups.items())} for mode, groups in hits.items()},
-        "ttft_median_s": {mode: statistics.median(times) for mode, times in ttft.items()},
+        "vision_tokens": qa["vision_tokens"],
+        "accuracy": {v.name: qa["accuracy_by_group"][v.label] for v in variants},
+        "ttft_median_s": {v.name: qa["ttft_median_s"][v.label] for v in variants},
     }

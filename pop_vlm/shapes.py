@@ -21,7 +21,7 @@ qtype                 question                                            answer
 ``color_of_shape`` is only asked when exactly one object has that shape, ``shape_of_color`` when exactly one
 object has that colour, and ``left_right`` when the object is the only one of its colour and shape and its
 bounding box lies wholly in one half of the canvas. Answers are scored by exact match after lower-casing
-and removing spaces and punctuation (:func:`score`).
+and turning punctuation into spaces (:func:`score`, through :mod:`pop_vlm.scoring`).
 
 Everything is deterministic given a seed: :func:`sample_scene` draws a scene, :func:`render` draws its
 pixels, :func:`questions` draws questions about it, and :func:`scene_to_record` / :func:`sample_from_record`
@@ -30,12 +30,13 @@ turn a sample into a JSON-able record and back.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
 from PIL import Image
+
+from .scoring import answer_matches
 
 CANVAS_SIZES: tuple[int, ...] = (224, 320, 448, 640, 896)
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
@@ -329,14 +330,9 @@ def questions(
 # ---------------------------------------------------------------------------------------------- scoring
 
 
-def normalize_answer(text: str) -> str:
-    """Lower-case ``text`` and remove whitespace and punctuation."""
-    return re.sub(r"[\W_]+", "", str(text).lower())
-
-
 def score(pred: str, answer: str) -> float:
-    """1.0 for an exact match after :func:`normalize_answer`, else 0.0."""
-    return float(normalize_answer(pred) == normalize_answer(answer))
+    """1.0 for an exact match (:func:`pop_vlm.scoring.answer_matches`), else 0.0."""
+    return float(answer_matches(pred, answer, "exact"))
 
 
 # ---------------------------------------------------------------------------------------------- records

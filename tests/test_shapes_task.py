@@ -163,11 +163,6 @@ def test_score(pred, answer, expected):
     assert S.score(pred, answer) == expected
 
 
-def test_normalize_answer():
-    assert S.normalize_answer("  Right.\n") == "right"
-    assert S.normalize_answer("Tri-angle") == "triangle"
-
-
 def test_record_round_trip():
     sc = S.sample_scene(77)
     question, answer, qtype = S.questions(sc, 77, n=1)[0]
