@@ -54,10 +54,10 @@ class BenchConfig:
     def resolved_clock(self, device: torch.device) -> str:
         clock = self.clock
         if clock == "auto":
-            clock = "cpu" if (device.type == "cpu" and torch.get_num_threads() == 1) else "wall"
+            clock = auto_clock(device, torch.get_num_threads())
         if clock not in ("cpu", "wall"):
             raise ValueError(f"--clock must be auto, cpu or wall, not {clock!r}")
-        if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        if clock == "cpu" and auto_clock(device, torch.get_num_threads()) != "cpu":
             raise ValueError("--clock cpu measures the calling thread: only for --device cpu --threads 1")
         return clock
 
@@ -73,9 +73,26 @@ def denormals_flushed():
         torch.set_flush_denormal(False)
 
 
+def auto_clock(device: torch.device, threads: int | None) -> str:
+    """"cpu" on one CPU thread: that thread's CPU time leaves out other processes' time slices; "wall" otherwise,
+    since one thread's CPU time misses the work of other threads and of a GPU."""
+    return "cpu" if device.type == "cpu" and threads == 1 else "wall"
+
+
 def clock_timer(clock: str):
     """The function that reads a clock named by `BenchConfig.resolved_clock`."""
     return time.thread_time if clock == "cpu" else time.perf_counter
+
+
+CLOCK_NAMES = {"cpu": "thread CPU time", "wall": "wall clock"}
+
+
+def use_thread_clock(pipe, threads: int | None) -> str:
+    """Point `pipe.timer` at the thread's CPU clock when `pipe` runs on `threads` == 1 CPU thread, else at the
+    wall clock (`auto_clock`); returns the clock's name for the record."""
+    clock = auto_clock(pipe.device, threads)
+    pipe.timer = clock_timer(clock)
+    return CLOCK_NAMES[clock]
 
 
 # ---- synthetic requests --------------------------------------------------------------------------------------

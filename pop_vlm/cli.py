@@ -5,7 +5,6 @@ import argparse
 import json
 import shlex
 import sys
-import time
 from importlib.metadata import entry_points
 
 from .config import MODES, PopConfig, check_full_tail
@@ -116,16 +115,13 @@ def cmd_eval(args) -> int:
     import json
 
     from . import evaluate
-    from .bench import environment
+    from .bench import environment, use_thread_clock
     from .importance import LayerImportance
 
     pipe = _load_for_study(args)
     if args.importance:
         pipe.auto_k = LayerImportance.from_json(args.importance).auto_k(args.budget)
-    # one CPU thread: TTFT on the thread's CPU clock, so that other processes' time slices are not counted
-    clock = "thread CPU time" if args.threads == 1 and pipe.device.type == "cpu" else "wall clock"
-    if clock == "thread CPU time":
-        pipe.timer = time.thread_time
+    clock = use_thread_clock(pipe, args.threads)
     qa = None
     if args.qa:
         with open(args.qa) as f:

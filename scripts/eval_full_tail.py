@@ -27,7 +27,7 @@ import torch
 
 import pop_vlm
 from pop_vlm import shapes
-from pop_vlm.bench import environment
+from pop_vlm.bench import environment, use_thread_clock
 from pop_vlm.memory import tune_malloc
 from pop_vlm.report import Column, command_line, markdown_table, ms, write_json
 from pop_vlm.config import PopConfig
@@ -94,7 +94,7 @@ def text_part(tails=(1, 4, 16, 64), n_prompts: int = 8, prompt_tokens: int = 512
 def vlm_part(n_records: int | None = None, seed: int = 0, max_new_tokens: int = 4, log=print) -> dict:
     weights = ROOT / "assets" / "models"
     pipe = pop_vlm.load("shapes-qwen3-vl", device="cpu")
-    pipe.timer = time.thread_time  # one thread: its CPU time
+    use_thread_clock(pipe, torch.get_num_threads())
     digest = ""
     for path in sorted(weights.rglob("model.safetensors")):
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 import pop_vlm  # noqa: E402
 from pop_vlm import report, shapes  # noqa: E402
+from pop_vlm.bench import use_thread_clock  # noqa: E402
 from pop_vlm.evaluate import shapes_qa_report  # noqa: E402
 from pop_vlm.train.data import load_jsonl, shapes_test_path  # noqa: E402
 
@@ -35,12 +36,11 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pipe = pop_vlm.load(args.model, device="cpu")
-    if args.threads == 1:
-        pipe.timer = time.thread_time
+    clock = use_thread_clock(pipe, args.threads)
     pipe.warm_up()
     records = load_jsonl(shapes_test_path())[: args.limit]
     result = shapes_qa_report(pipe, records, modes=args.modes, prune_layers=args.k, progress=True)
-    result.update(command=report.command_line("scripts/shapes_qa.py"), threads=args.threads,
+    result.update(command=report.command_line("scripts/shapes_qa.py"), threads=args.threads, clock=clock,
                   date=time.strftime("%Y-%m-%d", time.gmtime()), torch=torch.__version__)
     if "full" in result["ttft_median_s"] and "pop" in result["ttft_median_s"]:
         result["ttft_speedup"] = result["ttft_median_s"]["full"] / result["ttft_median_s"]["pop"]

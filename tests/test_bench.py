@@ -133,3 +133,16 @@ def test_a_benchmark_leaves_subnormal_floats_as_they_were(capsys):
                      "--repeats", "1", "--warmup", "0", "--threads", "1", "--vocab", "512", "--quiet", "--json"]) == 0
     capsys.readouterr()
     assert float(tiny * 1.0) != 0.0  # and still after
+
+
+@pytest.mark.parametrize("device, threads, name", [("cpu", 1, "thread CPU time"), ("cpu", 2, "wall clock"),
+                                                   ("cpu", None, "wall clock"), ("cuda", 1, "wall clock")])
+def test_ttft_is_read_on_the_thread_cpu_clock_only_on_one_cpu_thread(device, threads, name):
+    import time
+    from types import SimpleNamespace
+
+    from pop_vlm.bench import use_thread_clock
+
+    pipe = SimpleNamespace(device=torch.device(device), timer=None)
+    assert use_thread_clock(pipe, threads) == name
+    assert pipe.timer is (time.thread_time if name == "thread CPU time" else time.perf_counter)
