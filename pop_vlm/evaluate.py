@@ -364,20 +364,29 @@ def shapes_groups(record: dict) -> list[str]:
 
 
 def shapes_qa_report(pipe, records: Sequence[dict], modes: Sequence[str] = ("full", "pop", "static"),
-                     prune_layers=None, max_new_tokens: int = 4, progress: bool = False) -> dict:
+                     prune_layers=None, max_new_tokens: int = 4, progress: bool = False,
+                     check: int | None = None) -> dict:
     """Exact-match accuracy of each mode on shapes-task records (`pop_vlm.shapes`), overall, by question type and
     by canvas size (`shapes_groups`), with the vision-token counts and each mode's median TTFT (`image_qa`: the
     modes take turns on each record's inputs, in alternating order; the clock is `pipe.timer`). `prune_layers`
-    defaults to L/3."""
+    defaults to L/3. `check`: also the accuracy on the first `check` records (``report["check"]``), the set a
+    model too slow for all of them is tested on."""
     pop = PopConfig() if prune_layers is None else PopConfig(prune_layers=prune_layers)
     k = pop.num_pruned(pipe.num_layers)
     variants = [Variant(check_mode(mode), k) for mode in modes]  # a Variant takes any other name as a POP variant
-    qa = image_qa(pipe, records, variants, max_new_tokens=max_new_tokens, match="exact", group_by=shapes_groups,
+    first = {id(record) for record in records[:check]} if check else set()
+
+    def groups(record: dict) -> list[str]:
+        return shapes_groups(record) + (["check"] if id(record) in first else [])
+
+    qa = image_qa(pipe, records, variants, max_new_tokens=max_new_tokens, match="exact", group_by=groups,
                   progress=progress)
+    by_mode = {v.name: dict(qa["accuracy_by_group"][v.label]) for v in variants}
+    checked = {name: groups_.pop("check") for name, groups_ in by_mode.items() if "check" in groups_}
     # the report is keyed by mode ("pop"), image_qa's results by variant label ("pop@2")
     return {
         "model": str(pipe.name), "n": len(records), "k": k, "num_layers": pipe.num_layers,
         "vision_tokens": qa["vision_tokens"],
-        "accuracy": {v.name: qa["accuracy_by_group"][v.label] for v in variants},
+        "accuracy": by_mode,
         "ttft_median_s": {v.name: qa["ttft_median_s"][v.label] for v in variants},
-    }
+    } | ({"check": {"n": len(first), "accuracy": checked}} if checked else {})

@@ -218,3 +218,23 @@ def test_gemma3_adapters_join_a_resumed_run_and_stay_with_it(tmp_path, capsys):
         with pytest.raises(ValueError, match=r"run/last.pt was trained with low-rank adapters .*: resume with "
                                              r"--lora-rank 2 --lora-alpha 4 --lora-targets q,k,v,o, or start over"):
             gemma_trainer(tmp_path, "run", 3, *extra)
+
+
+def test_modes_section_round_trips_through_the_card():
+    """What `scripts/shapes_qa.py --card` writes is what `tests/test_shapes_qa.py` reads back, and writing it twice
+    replaces the section rather than adding a second one."""
+    from pop_vlm.train.card import MODES_TITLE, check_figures, modes_section, with_section
+
+    report = {"k": 6, "num_layers": 18, "n": 600, "threads": 1, "clock": "thread's CPU clock",
+              "command": "python scripts/shapes_qa.py --card", "environment": {"machine": "cpu", "torch": "2"},
+              "accuracy": {"full": {"all": 0.75}, "pop": {"all": 0.745}, "static": {"all": 0.2}},
+              "ttft_median_s": {"full": 0.8, "pop": 0.6, "static": 0.5},
+              "check": {"n": 100, "accuracy": {"full": 0.76, "pop": 0.75, "static": 0.21}}}
+    card = "# m\n\nOverall: **0.750**\n\n## Use\n\nload it\n"
+    once = with_section(card, MODES_TITLE, modes_section(report))
+    assert check_figures(once) == {"n": 100, "k": 6, "accuracy": {"full": 0.76, "pop": 0.75, "static": 0.21}}
+    assert "| pop | 0.745 | 600.0 | 1.33x |" in once and once.endswith("## Use\n\nload it\n")
+    report["check"]["accuracy"]["full"] = 0.8
+    twice = with_section(once, MODES_TITLE, modes_section(report))
+    assert twice.count(MODES_TITLE) == 1 and check_figures(twice)["accuracy"]["full"] == 0.8
+    assert check_figures(card) is None

@@ -124,3 +124,66 @@ def use_section(family) -> list[str]:
         "```",
         "",
     ]
+
+
+# ---- measured after training: the prefill modes on the test set ---------------------------------------------------
+MODES_TITLE = "## Full, POP and static prefill on the test set"
+
+
+def modes_section(report: dict) -> list[str]:
+    """Accuracy and median TTFT of each prefill mode (a `scripts/shapes_qa.py` report), and the accuracy on the
+    first records, which `tests/test_shapes_qa.py` checks (a model too slow for the whole set on CI is checked on
+    those)."""
+    modes = list(report["ttft_median_s"])
+    env = report.get("environment", {})
+    lines = [
+        MODES_TITLE,
+        "",
+        f"k = {report['k']} of {report['num_layers']} layers pruned in prefill; greedy, one-word answers, exact match.",
+        f"Measured with `{report['command']}` on {env.get('machine', 'this machine')} "
+        f"({report['threads']} thread(s), torch {env.get('torch', '?')}, {env.get('date', report.get('date', '?'))}).",
+        f"TTFT: vision encoder, prefill and first token (each record's inputs built once beforehand), warm, median over the "
+        f"{report['n']} records ({report['clock']}); the modes answer each record in turn, in "
+        "alternating order, so they see the same inputs and machine state.",
+        "",
+        "| mode | accuracy | TTFT median (ms) | TTFT vs full |",
+        "|---|---|---|---|",
+    ]
+    full_ttft = report["ttft_median_s"].get("full")
+    for mode in modes:
+        ttft = report["ttft_median_s"][mode]
+        ratio = f"{full_ttft / ttft:.2f}x" if full_ttft else ""
+        lines.append(f"| {mode} | {report['accuracy'][mode]['all']:.3f} | {ttft * 1e3:.1f} | {ratio} |")
+    check = report.get("check")
+    if check:
+        figures = ", ".join(f"{mode} **{check['accuracy'][mode]:.3f}**" for mode in modes)
+        lines += ["", f"Check set: the first {check['n']} records: {figures}."]
+    return lines + [""]
+
+
+def check_figures(card_text: str) -> dict | None:
+    """The check set of a model card's modes section: {"n": records, "k": layers pruned, "accuracy": {mode: acc}}."""
+    import re
+
+    if MODES_TITLE not in card_text:
+        return None
+    section = card_text.split(MODES_TITLE, 1)[1].split("\n## ", 1)[0]
+    k = re.search(r"k = (\d+) of \d+ layers", section)
+    check = re.search(r"Check set: the first (\d+) records: (.*)\.", section)
+    if not (k and check):
+        return None
+    accuracy = {mode: float(acc) for mode, acc in re.findall(r"(\w[\w-]*) \*\*([0-9.]+)\*\*", check.group(2))}
+    return {"n": int(check.group(1)), "k": int(k.group(1)), "accuracy": accuracy}
+
+
+def with_section(card_text: str, title: str, lines: list[str]) -> str:
+    """The card with the section `title` replaced by `lines` (added before "## Use" when it has none)."""
+    body = "\n".join(lines).rstrip("\n") + "\n\n"
+    if title in card_text:
+        head, rest = card_text.split(title, 1)
+        tail = rest.split("\n## ", 1)
+        return head + body + ("## " + tail[1] if len(tail) > 1 else "")
+    if "## Use\n" in card_text:
+        head, rest = card_text.split("## Use\n", 1)
+        return head + body + "## Use\n" + rest
+    return card_text.rstrip("\n") + "\n\n" + body
