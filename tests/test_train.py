@@ -238,3 +238,27 @@ def test_modes_section_round_trips_through_the_card():
     twice = with_section(once, MODES_TITLE, modes_section(report))
     assert twice.count(MODES_TITLE) == 1 and check_figures(twice)["accuracy"]["full"] == 0.8
     assert check_figures(card) is None
+
+
+def test_a_run_stopped_by_sigterm_keeps_its_last_step(tmp_path, monkeypatch, capsys):
+    """SIGTERM (what ends a background run) finishes the current step and writes the checkpoint, so the next run
+    resumes there; the handler is the usual one again afterwards."""
+    import os
+    import signal
+
+    from pop_vlm.train import loop
+
+    original = loop.Trainer.train_step
+
+    def step_then_signal(self):
+        metrics = original(self)
+        if self.state["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    monkeypatch.setattr(loop.Trainer, "train_step", step_then_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = tiny_run(tmp_path, "stopped", 50)
+    assert stopped["state"]["step"] == 2
+    assert "stopped by SIGTERM at step 2: checkpoint saved" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is before

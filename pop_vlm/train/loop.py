@@ -2,7 +2,8 @@
 
 Loss: cross-entropy on the answer token and the end-of-turn token after it, plus the probes of `heads` (vision
 features, question words); AdamW with linear warm-up then cosine decay, gradient clipping. Every few minutes it
-scores the held-out set, keeps the best weights, exports them and writes a checkpoint. With `--lora-rank`, the
+scores the held-out set, keeps the best weights, exports them and writes a checkpoint; SIGTERM or Ctrl-C ends the
+run after the current step with a checkpoint (a run stopped from outside loses nothing). With `--lora-rank`, the
 frozen language model's low-rank adapters (`lora`) train too, in their own optimiser group, so that a checkpoint
 from before they were added resumes with them.
 """
@@ -12,7 +13,9 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,6 +30,30 @@ from .data import EvalSet, make_batch, word_supervision
 from .export import export, load_trained, trained_state
 from .families import family as family_builder
 from .heads import AuxHeads, WordHeads
+
+
+class StopRequest:
+    """While active, SIGTERM and SIGINT only ask the loop to stop after the current step (a second one acts as
+    usual), so that a run ended from outside still writes its checkpoint."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._before: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            self._before = {sig: signal.signal(sig, self._request) for sig in self.SIGNALS}
+        return self
+
+    def _request(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        signal.signal(signum, self._before[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
 
 
 def default_out_dir(model_name: str) -> Path:
@@ -288,9 +315,29 @@ class Trainer:
         self.test = EvalSet.test(args.test_size, self.enc) if not args.profile else None
         self.model.train()
         start = time.time()
-        last_eval = last_export = last_ckpt = time.time()
         window = defaultdict(list)
-        while not self._finished(start):
+        with StopRequest() as stop:
+            self._loop(start, window, stop)
+        if stop.signal_name and not args.profile:
+            self.save()
+            log(f"stopped by {stop.signal_name} at step {self.state['step']}: checkpoint saved, the next run resumes "
+                f"from it (best val {self.state['best_acc']:.3f}, last export at step "
+                f"{self.state.get('exported_step')})", self.log_path)
+            return self.state
+        if args.profile:
+            times = window["step_time"][1:] or window["step_time"]
+            log(f"mean step {np.mean(times):.3f}s, data {np.mean(window['data_time']):.3f}s, params {self.n_params:,}")
+            return self.state
+        self.evaluate()
+        self.save()
+        self.export_best()
+        log(f"done: step {self.state['step']}, best val {self.state['best_acc']:.3f}", self.log_path)
+        return self.state
+
+    def _loop(self, start: float, window: dict, stop: StopRequest):
+        args = self.args
+        last_eval = last_export = last_ckpt = time.time()
+        while not self._finished(start) and not stop.signal_name:
             m = self.train_step()
             for key in ("loss", "aux_loss", "word_loss", "acc", "step_time", "data_time", "tokens"):
                 window[key].append(m[key])
@@ -310,15 +357,6 @@ class Trainer:
             if time.time() - last_ckpt > args.checkpoint_every * 60:
                 self.save()
                 last_ckpt = time.time()
-        if args.profile:
-            times = window["step_time"][1:] or window["step_time"]
-            log(f"mean step {np.mean(times):.3f}s, data {np.mean(window['data_time']):.3f}s, params {self.n_params:,}")
-            return self.state
-        self.evaluate()
-        self.save()
-        self.export_best()
-        log(f"done: step {self.state['step']}, best val {self.state['best_acc']:.3f}", self.log_path)
-        return self.state
 
     def _log_window(self, window, lr: float):
         state = self.state
