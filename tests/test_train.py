@@ -262,3 +262,15 @@ def test_a_run_stopped_by_sigterm_keeps_its_last_step(tmp_path, monkeypatch, cap
     assert stopped["state"]["step"] == 2
     assert "stopped by SIGTERM at step 2: checkpoint saved" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_card_says_whether_the_projector_pools():
+    from types import SimpleNamespace
+
+    from pop_vlm.train.gemma3 import projector_words
+
+    def config(tokens):
+        return SimpleNamespace(mm_tokens_per_image=tokens, vision_config=SimpleNamespace(image_size=128, patch_size=8))
+
+    assert projector_words(config(64)) == "the projector average-pools 256 patches to 64 image tokens"
+    assert "no pooling" in projector_words(config(256)) and "256 image tokens" in projector_words(config(256))

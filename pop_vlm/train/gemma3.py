@@ -281,8 +281,7 @@ def card_model(config, processor, args, info) -> list[str]:
         f"vocabulary {tc.vocab_size}",
         *adapter_lines,
         f"* vision (SigLIP, trained): {vc.num_hidden_layers} layers, width {vc.hidden_size}, image {vc.image_size}x"
-        f"{vc.image_size}, patch {vc.patch_size}; the projector average-pools to {config.mm_tokens_per_image} "
-        "image tokens",
+        f"{vc.image_size}, patch {vc.patch_size}; {projector_words(config)}",
         f"* parameters: {info['params']:,} (of which the vision tower and projector are trained"
         + ("; the adapters add none once merged" if adapters else "") + ")",
         ", ".join(f"* `{t}`={tok.convert_tokens_to_ids(t)}" if i == 0 else f"`{t}`={tok.convert_tokens_to_ids(t)}"
@@ -310,3 +309,12 @@ def card_use() -> list[str]:
         f'pipe = pop_vlm.load("{MODEL_NAME}", device="cpu")',
         "model, processor = pipe.model, pipe.processor",
     ]
+
+
+def projector_words(config) -> str:
+    """How the projector turns the tower's patches into image tokens: average-pooled, or one token per patch."""
+    vc, tokens = config.vision_config, config.mm_tokens_per_image
+    patches = (vc.image_size // vc.patch_size) ** 2
+    if tokens == patches:
+        return f"the projector maps each patch to an image token ({tokens} image tokens, no pooling)"
+    return f"the projector average-pools {patches} patches to {tokens} image tokens"
