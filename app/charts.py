@@ -5,6 +5,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 COLORS = {"full": "#4c72b0", "pop": "#dd8452", "static": "#8c8c8c"}
 
@@ -48,7 +49,8 @@ def importance_chart(prefill: list[float], decode: list[float], pruned: list[int
     ax.bar([i - width / 2 for i in layers], prefill, width, label="prefill", color="#dd8452")
     ax.bar([i + width / 2 for i in layers], decode, width, label="decode", color="#4c72b0")
     ax.set_xlabel("layer (shaded: skipped in POP's prefill)")
-    ax.set_ylabel("share of the stage's importance")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
+    ax.set_ylabel("share of stage total")
     positive = [v for v in prefill + decode if v > 0]
     if positive:
         ax.set_yscale("log")

@@ -31,3 +31,11 @@ def test_example_kind_from_the_name_or_the_loaded_pipeline(tmp_path):
     manager.get(str(vlm_dir))
     assert example_kind(manager, str(text_dir)) == "text"
     assert example_kind(manager, str(vlm_dir)) == "photo"
+
+
+def test_the_importance_chart_numbers_layers_as_whole_numbers():
+    from app.charts import importance_chart
+
+    fig = importance_chart([0.5, 0.3, 0.1] * 6, [0.05] * 18, pruned=[15, 16, 17])
+    ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 17]
+    assert ticks and all(float(t).is_integer() for t in ticks)
