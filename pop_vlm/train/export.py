@@ -64,9 +64,14 @@ def trained_state(model) -> dict:
 
 def load_trained(model, state: dict):
     """Load a `trained_state` into a fresh model: only its frozen parameters may be missing, and its adapters when
-    the state has none (a state from before they were added: they keep their start, the pretrained function)."""
-    may_miss = set(model.state_dict()) - set(trained_state(model))
-    adapters = {name for name in model.state_dict() if lora.is_adapter(name)}
+    the state has none (a state from before they were added: they keep their start, the pretrained function); every
+    tensor must have the model's shape."""
+    own = model.state_dict()
+    if reshaped := [f"{name} is {tuple(tensor.shape)} in the state, {tuple(own[name].shape)} in the model"
+                    for name, tensor in state.items() if name in own and tensor.shape != own[name].shape]:
+        raise ValueError(f"state does not fit the model: {'; '.join(reshaped[:5])}")
+    may_miss = set(own) - set(trained_state(model))
+    adapters = {name for name in own if lora.is_adapter(name)}
     if not any(name in state for name in adapters):
         may_miss |= adapters
     result = model.load_state_dict(state, strict=False)

@@ -5,11 +5,13 @@ Same interface as `qwen3_vl.py`: processor, config, fresh model, packed inputs (
 `PRETRAINED` names the frozen language model, which the export leaves out (`pop_vlm.assembly`); low-rank adapters on
 it (`--lora-rank`, `lora`) are exported and merged into it at load.
 The image is resized to a square of ``--image-size`` pixels, cut into ``--patch-size`` patches and average-pooled by
-the projector to ``--image-tokens`` tokens (a square number).
+the projector to ``--image-tokens`` tokens (a square number). A run resumed at another image size (same patch size)
+carries its tower over with the learned position embedding resampled to the new patch grid (`fit_checkpoint`).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -107,6 +109,59 @@ def new_model(config):
     for parameter in language_model.parameters():
         parameter.requires_grad_(False)
     return model
+
+
+# ---- resuming at another image size -----------------------------------------------------------------------------
+#: the SigLIP tower's learned position embedding, (patches, width): the one weight whose shape follows --image-size
+POSITION_EMBEDDING = "embeddings.position_embedding.weight"
+
+
+def resample_position_embedding(weight: torch.Tensor, positions: int) -> torch.Tensor:
+    """A learned position embedding of a square patch grid, ``weight`` (n, width) with n a square, resampled to
+    ``positions`` rows (a square too): the grid (row-major, as SigLIP numbers its patches) is interpolated bicubically
+    (``align_corners=False``) to the new side, as a ViT is fine-tuned at a higher resolution. Each channel is then
+    clipped to its range in ``weight``: bicubic weights overshoot near the edges of the grid. The same grid comes back
+    unchanged."""
+    if weight.ndim != 2:
+        raise ValueError(f"a position embedding is (positions, width), not {tuple(weight.shape)}")
+    n, width = weight.shape
+    side, new_side = math.isqrt(n), math.isqrt(max(positions, 0))
+    if n < 1 or side * side != n or positions < 1 or new_side * new_side != positions:
+        raise ValueError(f"a position embedding of {n} rows can only be resampled from one square grid to another; "
+                         f"{n} -> {positions} positions is not")
+    grid = weight.detach().float().reshape(1, side, side, width).permute(0, 3, 1, 2)
+    grid = torch.nn.functional.interpolate(grid, size=(new_side, new_side), mode="bicubic", align_corners=False)
+    low, high = weight.detach().float().aminmax(dim=0)
+    resampled = grid.permute(0, 2, 3, 1).reshape(positions, width).clamp(low, high)
+    return resampled.to(weight.dtype)
+
+
+def fit_checkpoint(model, optimiser, checkpoint: dict) -> str | None:
+    """Fit a checkpoint saved at another ``--image-size`` (same ``--patch-size``) to ``model``, in place: the tower's
+    position embedding is resampled to the model's patch grid (`resample_position_embedding`), and so are its AdamW
+    moments in ``checkpoint["opt"]`` (``optimiser`` is the model's, built as the saved one was); everything else is
+    left to load as it is. Returns a line for the log when it resampled, else None."""
+    params = dict(model.named_parameters())
+    names = [name for name in params if "vision_tower." in name and name.endswith(POSITION_EMBEDDING)]
+    saved_opt = checkpoint.get("opt", {}).get("state", {})
+    index = {id(p): i for i, p in enumerate(p for group in optimiser.param_groups for p in group["params"])}
+    lines = []
+    for name in names:
+        saved, current = checkpoint["model"].get(name), params[name]
+        if saved is None or saved.shape == current.shape or saved.shape[1:] != current.shape[1:]:
+            continue  # missing, fitting already, or another width: load_trained says what does not fit
+        positions = current.shape[0]
+        checkpoint["model"][name] = resample_position_embedding(saved, positions)
+        # AdamW keeps a first and a second moment per element, laid out as the weight: resampled like it, the
+        # tower's momentum goes on where the run left it (the second moment stays >= 0: the clip keeps its range)
+        moments = saved_opt.get(index.get(id(current)), {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in moments and moments[key].shape == saved.shape:
+                moments[key] = resample_position_embedding(moments[key], positions)
+        side, new_side = math.isqrt(saved.shape[0]), math.isqrt(positions)
+        lines.append(f"vision position embedding resampled from {side}x{side} to {new_side}x{new_side} patches "
+                     f"(bicubic; {name})")
+    return "; ".join(lines) or None
 
 
 def text_width(config) -> int:

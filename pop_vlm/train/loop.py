@@ -5,7 +5,8 @@ features, question words); AdamW with linear warm-up then cosine decay, gradient
 scores the held-out set, keeps the best weights, exports them and writes a checkpoint; SIGTERM or Ctrl-C ends the
 run after the current step with a checkpoint (a run stopped from outside loses nothing). With `--lora-rank`, the
 frozen language model's low-rank adapters (`lora`) train too, in their own optimiser group, so that a checkpoint
-from before they were added resumes with them.
+from before they were added resumes with them. A gemma3 run resumed at a larger `--image-size` (same `--patch-size`)
+carries its vision tower over, the position embedding resampled to the new patch grid (`gemma3.fit_checkpoint`).
 """
 from __future__ import annotations
 
@@ -156,6 +157,7 @@ class Trainer:
         if self.ckpt_path.exists() and not self.args.fresh and not self.args.profile:
             ckpt = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
             adding = self._check_adapters(ckpt.get("lora"))
+            resampled = self._fit_checkpoint(ckpt)
             load_trained(self.model, ckpt["model"])
             self.aux.load_state_dict(ckpt["aux"])
             if "word_heads" in ckpt:
@@ -169,10 +171,19 @@ class Trainer:
             log(f"resumed from {self.ckpt_path} at step {self.state['step']} ({self.state['images']} images)"
                 + (f"; low-rank adapters {self.adapters.description()} added, starting at zero" if adding else ""),
                 self.log_path)
+            if resampled:
+                log(resampled, self.log_path)
         else:
             adapters = f" (+ {lora.count(self.model):,} in low-rank adapters)" if self.adapters else ""
             log(f"new run: {self.n_params:,} parameters{adapters}; {self.command}", self.log_path)
         self._record_run()
+
+    def _fit_checkpoint(self, ckpt: dict) -> str | None:
+        """Let the family fit a checkpoint saved at other input sizes to this run's model (gemma3: its tower's
+        position embedding resampled to a larger patch grid); what it did, for the log. Qwen3-VL needs nothing: its
+        tower interpolates its position embeddings to every image itself."""
+        fit = getattr(self.family, "fit_checkpoint", None)
+        return fit(self.model, self.opt, ckpt) if fit else None
 
     def _record_run(self):
         """Add this run (its first step, command and inputs) to the state's list of runs. Shown other inputs than
