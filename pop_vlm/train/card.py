@@ -5,6 +5,8 @@ The task, data, training and accuracy sections are shared; the family builder wr
 """
 from __future__ import annotations
 
+import re
+
 from .. import shapes as S
 from .data import TRAIN_SEED_LIMIT, VAL_SEED_START
 
@@ -163,8 +165,6 @@ def modes_section(report: dict) -> list[str]:
 
 def check_figures(card_text: str) -> dict | None:
     """The check set of a model card's modes section: {"n": records, "k": layers pruned, "accuracy": {mode: acc}}."""
-    import re
-
     if MODES_TITLE not in card_text:
         return None
     section = card_text.split(MODES_TITLE, 1)[1].split("\n## ", 1)[0]

@@ -18,7 +18,7 @@ import torch
 from .. import assembly
 from ..plots import training_curve
 from . import lora
-from .card import model_card, use_section
+from .card import model_card, use_section, with_section
 
 
 def export(family, model, config, processor, args, info: dict, curve: list, test_report: dict | None) -> float:
@@ -98,9 +98,8 @@ def ship_export(family, full_dir, out_dir) -> float:
         curve_file.write_text(json.dumps(record, indent=1), encoding="utf-8")
     card = staging / "model_card.md"
     if card.is_file():  # the loading lines of a whole export do not load the shipped form
-        text = card.read_text(encoding="utf-8")
-        head = text[: text.index("## Use\n")] if "## Use\n" in text else text.rstrip("\n") + "\n\n"
-        card.write_text(head + "\n".join(use_section(family)), encoding="utf-8")
+        use = use_section(family)
+        card.write_text(with_section(card.read_text(encoding="utf-8"), use[0], use), encoding="utf-8")
     if out.exists():
         shutil.rmtree(out)
     os.replace(staging, out)
