@@ -17,9 +17,15 @@ and `base_model.json` (format 2) describes them: ``"adapters": {"rank": 4, "alph
 ``<name>.lora_B`` (out x rank) there, and loading merges them into the pretrained weight,
 W <- W + (alpha / rank)·B·A, before filling the model: the loaded model is a plain one. Every target weight of
 every layer has its pair, and each adapter is used exactly once.
+
+The tokenizer is assembled too when the pretrained model's own reproduces it: a folder without `tokenizer.json`
+takes the pretrained model's, and its `tokenizer_config.json` adds the tokens the model adds (Gemma-3's image
+tokens). `processor_folder` puts the two together in the cache; `shrink` leaves `tokenizer.json` out only when that
+assembly gives back exactly the tokenizer it was trained with.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +38,8 @@ from . import zoo
 BASE_MODEL_FILE = zoo.BASE_MODEL_FILE
 WEIGHTS = "model.safetensors"
 ADAPTERS_FILE = "adapters.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+SHIPPED_ONLY = (".safetensors", ".md", ".png")  # files of a shipped folder that its processor does not read
 ADAPTER_A, ADAPTER_B = "lora_A", "lora_B"
 FORMAT = 1
 FORMAT_WITH_ADAPTERS = 2  # a reader of format 1 would load the model without its adapters: it must refuse it
@@ -238,7 +246,8 @@ def read_weights(path: str | os.PathLike) -> dict:
 def shrink(full_dir: str | os.PathLike, out_dir: str | os.PathLike, language_model: str, prefix: str,
            source_prefix: str = "model.") -> Path:
     """Turn a folder that `save_pretrained` wrote (the whole model) into the shipped form in `out_dir` (replaced
-    at once; it may be `full_dir` itself): the same files, the weights without the pretrained language model.
+    at once; it may be `full_dir` itself): the same files, the weights without the pretrained language model, and
+    without `tokenizer.json` when the pretrained model's tokenizer gives it back (`tokenizer_reproduced`).
 
     The language model in the folder must equal the pretrained one (in the folder's dtype): a model whose
     language model was trained cannot be shipped without it."""
@@ -258,6 +267,7 @@ def shrink(full_dir: str | os.PathLike, out_dir: str | os.PathLike, language_mod
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(full_dir, tmp, ignore=lambda folder, names: [n for n in names if ".safetensors" in n])
     write_trained(model, trained, tmp, base)
+    leave_out_tokenizer(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -277,3 +287,66 @@ def check_pretrained_part(weights: dict, pretrained: dict, prefix: str, aliases:
     for alias, target in aliases.items():
         if alias in weights and not torch.equal(weights[alias], weights[target]):
             raise ValueError(f"{where}: {alias} should be tied to {target} but differs from it")
+
+
+def processor_folder(path: str | os.PathLike, progress: bool = True) -> Path:
+    """The folder to load a shipped folder's processor from: the folder itself when it holds its `tokenizer.json`,
+    else one in the cache with the folder's processor files and the `tokenizer.json` of the pretrained model that
+    `base_model.json` names (converted on first use). The cache folder is named after a digest of those files, so
+    a changed folder gets a fresh one."""
+    path = Path(path)
+    if (path / TOKENIZER_FILE).is_file():
+        return path
+    base = read_base(path)
+    zoo.require_package(base["language_model"], needed_by=str(path))
+    source = Path(zoo.CONVERTED[base["language_model"]](progress=progress)) / TOKENIZER_FILE
+    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.endswith(SHIPPED_ONLY))
+    digest = hashlib.sha256(str(source.stat().st_size).encode())
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    target = zoo.cache_dir() / "processors" / f"{path.name}-{digest.hexdigest()[:16]}"
+    if (target / TOKENIZER_FILE).is_file():
+        return target
+    staging = target.with_name(f"{target.name}.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for file in [*files, source]:
+        shutil.copyfile(file, staging / file.name)
+    try:
+        os.replace(staging, target)
+    except OSError:  # another process put it there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def leave_out_tokenizer(folder: str | os.PathLike) -> bool:
+    """Remove the folder's `tokenizer.json` when the pretrained model's gives it back; whether it did."""
+    if reproduced := tokenizer_reproduced(folder):
+        (Path(folder) / TOKENIZER_FILE).unlink()
+    return reproduced
+
+
+def tokenizer_reproduced(folder: str | os.PathLike) -> bool:
+    """Whether the folder's tokenizer is the pretrained model's with the folder's `tokenizer_config.json`: loaded
+    that way, it serialises to the same `tokenizer.json`."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / TOKENIZER_FILE).is_file():
+        return False
+    base = read_base(folder)
+    source = Path(zoo.CONVERTED[base["language_model"]]()) / TOKENIZER_FILE
+    with open(folder / TOKENIZER_FILE, encoding="utf-8") as handle:
+        wanted = json.load(handle)
+    trial = folder.with_name(folder.name + ".tokenizer")
+    shutil.rmtree(trial, ignore_errors=True)
+    trial.mkdir()
+    try:
+        for file in folder.iterdir():
+            if file.is_file() and not file.name.endswith(SHIPPED_ONLY) and file.name != TOKENIZER_FILE:
+                shutil.copyfile(file, trial / file.name)
+        shutil.copyfile(source, trial / TOKENIZER_FILE)
+        assembled = AutoTokenizer.from_pretrained(trial)
+        return json.loads(assembled.backend_tokenizer.to_str()) == wanted
+    finally:
+        shutil.rmtree(trial, ignore_errors=True)

@@ -32,7 +32,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *, trust_remote_code: bool = False) -> "Pipeline":
     """Load a hub id, a local folder, or a zoo name (see `pop_vlm.zoo`) into a `Pipeline`. A folder shipped without
-    its pretrained language model (`pop_vlm.assembly`) is assembled with it."""
+    its pretrained language model (`pop_vlm.assembly`) is assembled with it, tokenizer included."""
     import transformers
     from transformers import AutoConfig
 
@@ -45,17 +45,19 @@ def load(name_or_path: str, device: str | torch.device = "auto", dtype="auto", *
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     family = adapter_class_for(architecture)  # a clear error for unsupported models, before any weights load
     attention = family.attention_implementation(device, architecture)
+    processor_path = path
     if zoo.base_language_model(path) is not None:  # shipped without its pretrained language model
-        from .assembly import load_model
+        from .assembly import load_model, processor_folder
 
         model = load_model(path, dtype=torch_dtype, attn_implementation=attention, name=name_or_path)
+        processor_path = processor_folder(path)
     else:
         model = getattr(transformers, architecture).from_pretrained(
             path, dtype=torch_dtype, attn_implementation=attention, trust_remote_code=trust_remote_code,
             use_safetensors=True,
         )
     model = model.to(device).eval()
-    processor = family.load_processor(path, architecture, trust_remote_code=trust_remote_code)
+    processor = family.load_processor(processor_path, architecture, trust_remote_code=trust_remote_code)
     pipe = Pipeline(model, processor, name=name_or_path)
     profile = os.path.join(path, "importance.json")
     if os.path.isfile(profile):  # a shipped importance profile makes prune_layers="auto" work at once

@@ -60,7 +60,8 @@ def picture():
 def test_the_export_holds_what_was_trained_and_names_the_rest(demo):
     folder = demo["folder"]
     assert {"config.json", "generation_config.json", "model.safetensors", "base_model.json", "chat_template.jinja",
-            "tokenizer.json", "processor_config.json", "model_card.md", "training_curve.json"} <= {p.name for p in folder.iterdir()}
+            "tokenizer_config.json", "processor_config.json", "model_card.md", "training_curve.json"} <= {p.name for p in folder.iterdir()}
+    assert not (folder / assembly.TOKENIZER_FILE).exists()  # the 270M's, with the image tokens its config adds
     weights = assembly.read_weights(folder)
     trained = {n for n, p in demo["model"].named_parameters() if p.requires_grad}
     assert set(weights) == trained and not any(n.startswith(LM) or n == "lm_head.weight" for n in weights)
@@ -101,6 +102,28 @@ def test_the_shipped_tokenizer_gives_one_bos_and_the_image_tokens(loaded, pictur
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     assert ids.count(tok.convert_tokens_to_ids("<image_soft_token>")) == 16
     assert ids.count(tok.convert_tokens_to_ids("<start_of_image>")) == 1
+
+
+def test_the_tokenizer_is_assembled_from_the_270m_unless_that_would_change_it(demo, loaded, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("POP_VLM_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "copy"
+    shutil.copytree(demo["folder"], folder)
+    assembled = assembly.processor_folder(folder)
+    assert assembled.parent == tmp_path / "cache" / "processors" and (assembled / assembly.TOKENIZER_FILE).is_file()
+    assert assembly.processor_folder(folder) == assembled  # made once
+    (folder / "chat_template.jinja").write_text((folder / "chat_template.jinja").read_text() + " ")
+    assert assembly.processor_folder(folder) != assembled  # a changed folder gets its own
+
+    tokenizer = AutoTokenizer.from_pretrained(assembled)
+    assert tokenizer.get_vocab() == loaded.processor.tokenizer.get_vocab()
+    tokenizer.backend_tokenizer.save(str(folder / assembly.TOKENIZER_FILE))  # as the export wrote it
+    assert assembly.processor_folder(folder) == folder and assembly.tokenizer_reproduced(folder)
+    tokenizer.add_tokens(["<not_in_the_270m>"])  # a tokenizer the 270M's does not give back must ship
+    tokenizer.backend_tokenizer.save(str(folder / assembly.TOKENIZER_FILE))
+    assert not assembly.tokenizer_reproduced(folder)
+    assert not list(tmp_path.glob("*.tokenizer"))
 
 
 def test_the_bundled_name_loads_it_when_the_package_is_there(demo, monkeypatch):

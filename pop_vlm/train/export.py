@@ -4,7 +4,8 @@
 A model trained whole is written by `save_pretrained`. One trained around a frozen pretrained language model (its
 builder's `PRETRAINED`) is shipped small: the trained weights only, and `base_model.json` naming the language model
 that `pop_vlm.load` joins to them (`pop_vlm.assembly`), with the low-rank adapters trained on it (`lora`), if
-any, in `adapters.safetensors`. `ship_export` turns a whole export of such a model (without adapters) into that form.
+any, in `adapters.safetensors`, and without the tokenizer when the pretrained model's gives it back.
+`ship_export` turns a whole export of such a model (without adapters) into that form.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def export(family, model, config, processor, args, info: dict, curve: list, test
     processor.save_pretrained(tmp)
     with open(tmp / "chat_template.jinja", "w", encoding="utf-8") as handle:
         handle.write(family.CHAT_TEMPLATE)
+    if pretrained:
+        assembly.leave_out_tokenizer(tmp)
     size_mb = sum(f.stat().st_size for f in tmp.glob("*.safetensors")) / 1e6
     info = dict(info, size_mb=round(size_mb, 2))
     if adapter_params := lora.count(model):
