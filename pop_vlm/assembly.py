@@ -299,8 +299,8 @@ def processor_folder(path: str | os.PathLike, progress: bool = True) -> Path:
         return path
     base = read_base(path)
     zoo.require_package(base["language_model"], needed_by=str(path))
-    source = Path(zoo.CONVERTED[base["language_model"]](progress=progress)) / TOKENIZER_FILE
-    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.endswith(SHIPPED_ONLY))
+    source = pretrained_tokenizer(base, progress)
+    files = processor_files(path)
     digest = hashlib.sha256(str(source.stat().st_size).encode())
     for file in files:
         digest.update(file.name.encode() + b"\0" + file.read_bytes())
@@ -309,9 +309,7 @@ def processor_folder(path: str | os.PathLike, progress: bool = True) -> Path:
         return target
     staging = target.with_name(f"{target.name}.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for file in [*files, source]:
-        shutil.copyfile(file, staging / file.name)
+    put_together(files, source, staging)
     try:
         os.replace(staging, target)
     except OSError:  # another process put it there first
@@ -329,24 +327,35 @@ def leave_out_tokenizer(folder: str | os.PathLike) -> bool:
 def tokenizer_reproduced(folder: str | os.PathLike) -> bool:
     """Whether the folder's tokenizer is the pretrained model's with the folder's `tokenizer_config.json`: loaded
     that way, it serialises to the same `tokenizer.json`."""
+    import tempfile
+
     from transformers import AutoTokenizer
 
     folder = Path(folder)
     if not (folder / TOKENIZER_FILE).is_file():
         return False
-    base = read_base(folder)
-    source = Path(zoo.CONVERTED[base["language_model"]]()) / TOKENIZER_FILE
     with open(folder / TOKENIZER_FILE, encoding="utf-8") as handle:
         wanted = json.load(handle)
-    trial = folder.with_name(folder.name + ".tokenizer")
-    shutil.rmtree(trial, ignore_errors=True)
-    trial.mkdir()
-    try:
-        for file in folder.iterdir():
-            if file.is_file() and not file.name.endswith(SHIPPED_ONLY) and file.name != TOKENIZER_FILE:
-                shutil.copyfile(file, trial / file.name)
-        shutil.copyfile(source, trial / TOKENIZER_FILE)
-        assembled = AutoTokenizer.from_pretrained(trial)
+    with tempfile.TemporaryDirectory() as trial:
+        put_together(processor_files(folder), pretrained_tokenizer(read_base(folder)), Path(trial) / "processor")
+        assembled = AutoTokenizer.from_pretrained(Path(trial) / "processor")
         return json.loads(assembled.backend_tokenizer.to_str()) == wanted
-    finally:
-        shutil.rmtree(trial, ignore_errors=True)
+
+
+def pretrained_tokenizer(base: dict, progress: bool = True) -> Path:
+    """The `tokenizer.json` of the pretrained model that a `base_model.json` names (converted on first use)."""
+    return Path(zoo.CONVERTED[base["language_model"]](progress=progress)) / TOKENIZER_FILE
+
+
+def processor_files(folder: Path) -> list[Path]:
+    """The files of a shipped folder that its processor reads, its own `tokenizer.json` aside."""
+    return sorted(f for f in folder.iterdir()
+                  if f.is_file() and not f.name.endswith(SHIPPED_ONLY) and f.name != TOKENIZER_FILE)
+
+
+def put_together(files: list[Path], tokenizer: Path, destination: Path) -> None:
+    """A new folder `destination` holding copies of `files` and of `tokenizer` (as `tokenizer.json`)."""
+    destination.mkdir(parents=True)
+    for file in files:
+        shutil.copyfile(file, destination / file.name)
+    shutil.copyfile(tokenizer, destination / TOKENIZER_FILE)
