@@ -85,6 +85,39 @@ def test_a_run_resumed_with_other_inputs_chooses_its_best_model_afresh(tmp_path,
     assert "* steps 0-1: `test`" in card and "* from step 1: `test`" in card
 
 
+def test_a_run_starts_from_an_exports_weights_when_its_checkpoint_is_lost(tmp_path, monkeypatch, capsys):
+    """--init-from: the export's weights, step, images and curve, fresh optimisers, and a learning rate that climbs
+    back from near zero; a folder that records no step is refused."""
+    from pop_vlm.train import loop
+    from pop_vlm.assembly import read_weights
+
+    first = tiny_run(tmp_path, "lost", 2)["state"]
+    exported = read_weights(tmp_path / "lost-export")
+    seen = {}
+    original = loop.Trainer.train_step
+
+    def first_step_seen(self):
+        if not seen:
+            seen.update(model={n: t.clone() for n, t in trained_state(self.model).items()}, opt=len(self.opt.state),
+                        step=self.state["step"])
+        result = original(self)
+        seen.setdefault("lr", result["lr"])
+        return result
+
+    monkeypatch.setattr(loop.Trainer, "train_step", first_step_seen)
+    again = tiny_run(tmp_path, "again", 3, "--init-from", str(tmp_path / "lost-export"))["state"]
+    assert "started from the weights of" in capsys.readouterr().out
+    assert seen["step"] == first["best_info"]["step"] == 2 and seen["opt"] == 0
+    for name, tensor in exported.items():
+        assert torch.equal(seen["model"][name], tensor), name
+    assert seen["lr"] == pytest.approx(loop.lr_at(2, options.parse_args(TINY)) / loop.REWARM_STEPS)
+    assert again["step"] == 3 and again["images"] == first["images"] + 2
+    assert [c["step"] for c in again["curve"] if "val_accuracy" in c] == [2, 3]
+    (tmp_path / "lost-export" / "training_curve.json").unlink()
+    with pytest.raises(ValueError, match="no training_curve.json there"):
+        tiny_run(tmp_path, "third", 3, "--init-from", str(tmp_path / "lost-export"))
+
+
 def test_bf16_autocast_trains_float32_weights(tmp_path):
     """--autocast bf16 changes the arithmetic (the weights differ from the float32 run of the same seed) but not
     what is stored: finite float32 weights."""

@@ -7,6 +7,7 @@ run after the current step with a checkpoint (a run stopped from outside loses n
 frozen language model's low-rank adapters (`lora`) train too, in their own optimiser group, so that a checkpoint
 from before they were added resumes with them. A gemma3 run resumed at a larger `--image-size` (same `--patch-size`)
 carries its vision tower over, the position embedding resampled to the new patch grid (`gemma3.fit_checkpoint`).
+Without a checkpoint, `--init-from` starts a run from the weights of an export instead, at the step it was exported.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import zoo
+from .. import assembly, zoo
 from . import lora
 from .data import EvalSet, make_batch, word_supervision
 from .export import export, load_trained, trained_state
@@ -61,11 +62,22 @@ def default_out_dir(model_name: str) -> Path:
     return zoo.cache_dir() / "train" / model_name
 
 
+#: steps over which the learning rate climbs back after a start from an export's weights: its AdamW moments start
+#: at zero, which makes the first updates full-size steps in the sign of the gradient
+REWARM_STEPS = 25
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def rewarm_factor(state: dict) -> float:
+    """1, except in the first `REWARM_STEPS` steps after a start from an export (`Trainer.start_from_export`)."""
+    start = state.get("rewarm_from")
+    return 1.0 if start is None else min(1.0, (state["step"] - start + 1) / REWARM_STEPS)
 
 
 def log(msg: str, path: Path | None = None):
@@ -173,10 +185,38 @@ class Trainer:
                 self.log_path)
             if resampled:
                 log(resampled, self.log_path)
+        elif self.args.init_from and not self.args.profile:
+            self.start_from_export(Path(self.args.init_from))
         else:
             adapters = f" (+ {lora.count(self.model):,} in low-rank adapters)" if self.adapters else ""
             log(f"new run: {self.n_params:,} parameters{adapters}; {self.command}", self.log_path)
         self._record_run()
+
+    def start_from_export(self, folder: Path):
+        """Start from the weights of an export of this family's model (its trained weights and adapters, as shipped
+        or whole), at the step, images and curve its `training_curve.json` records: for a run whose checkpoint is
+        lost. The optimisers and the probes start afresh, so the learning rate climbs back over `REWARM_STEPS`."""
+        record_file = folder / "training_curve.json"
+        if not record_file.is_file():
+            raise ValueError(f"--init-from {folder}: no training_curve.json there, so the step to go on from is unknown")
+        record = json.loads(record_file.read_text(encoding="utf-8"))
+        info = record["info"]
+        saved = assembly.read_base(folder).get("adapters") if (folder / assembly.BASE_MODEL_FILE).is_file() else None
+        current = self.adapters and self.adapters.description()
+        if saved != current:
+            raise ValueError(f"--init-from {folder}: its adapters are {saved or 'none'}, this run asks for "
+                             f"{current or 'none'}: give the --lora-* options it was trained with")
+        ckpt = {"model": assembly.read_weights(folder)}
+        resampled = self._fit_checkpoint(ckpt)
+        load_trained(self.model, ckpt["model"])
+        self.state = dict(new_state(), step=info["step"], images=info["images"],
+                          train_seconds=info["train_minutes"] * 60, runs=list(info.get("runs", [])),
+                          curve=[point for point in record["curve"] if point["step"] <= info["step"]],
+                          rewarm_from=info["step"])
+        log(f"started from the weights of {folder} (step {info['step']}, {info['images']} images; fresh optimiser "
+            f"and probes)", self.log_path)
+        if resampled:
+            log(resampled, self.log_path)
 
     def _fit_checkpoint(self, ckpt: dict) -> str | None:
         """Let the family fit a checkpoint saved at other input sizes to this run's model (gemma3: its tower's
@@ -226,7 +266,7 @@ class Trainer:
         pixel_values, grid, seqs, aux_t, scenes = make_batch(state["step"], state["images"], enc, args)
         t_data = time.time() - t0
         input_ids, mask, position_ids, targets = enc.pack(self.model, grid, seqs, with_answer=True)
-        lr = lr_at(state["step"], args)
+        lr = lr_at(state["step"], args) * rewarm_factor(state)
         for group in self.opt.param_groups:
             group["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):

@@ -27,6 +27,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="train nothing: turn FOLDER, a whole export (save_pretrained) of --family's model, into the "
                         "shipped form (trained weights only) in --export-dir")
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    p.add_argument("--init-from", metavar="FOLDER", default=None,
+                   help="without a checkpoint (or with --fresh): start from the weights of FOLDER, an export of this "
+                        "family's model, at the step its training_curve.json records, with fresh optimisers")
     p.add_argument("--profile", type=int, default=0, help="time this many steps and exit")
     _data_options(p)
     _model_options(p)
