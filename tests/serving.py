@@ -42,4 +42,7 @@ class LoopbackServer:
 
     def __exit__(self, *exc):
         self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=5)
+        if self.thread.is_alive():  # a graceful shutdown waits for clients' open connections (Gradio's event streams)
+            self.server.force_exit = True
+            self.thread.join(timeout=25)

@@ -125,5 +125,6 @@ def test_stated_defaults_and_the_prefix_cache(servers):
     assert first["model"] == "shapes-qwen3-vl" and first["pop"]["mode"] == "pop"
     assert first["pop"]["pruned_layers"] == [4, 5]  # L/3 of the default model's 6 layers
     assert first["timings"]["n_cached_tokens"] == 0 and first["timings"]["vision_s"] > 0.002
-    assert again["timings"]["n_cached_tokens"] > 0 and again["timings"]["vision_s"] < 0.002
+    # a cached image skips the vision tower: what is left is bookkeeping, far below the first request's pass
+    assert again["timings"]["n_cached_tokens"] > 0 and again["timings"]["vision_s"] < first["timings"]["vision_s"] / 5
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]

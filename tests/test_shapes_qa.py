@@ -1,8 +1,12 @@
 """Image QA with the bundled demo models: full prefill as good as the model card says, POP within 2 points of it.
 
 Each card's "Full, POP and static prefill" section (written by `scripts/shapes_qa.py --card`) names the layers
-POP prunes and the accuracy on a check set, the first records of `assets/qa/shapes_test.jsonl`: all 600 for the
-small Qwen3-VL demo, fewer for the Gemma-3 one, whose 270M language model takes about a second per answer on CPU.
+POP prunes, the accuracy of each mode on the whole test set `assets/qa/shapes_test.jsonl`, and on a check set, its
+first records: all 600 for the small Qwen3-VL demo, fewer for the Gemma-3 one, whose 270M language model takes
+about a second per answer on CPU. The test measures the check set again: each mode must reproduce the card's
+figure there (so a POP that lost accuracy fails), and POP must stay within two points of full on the whole set,
+measured here when the check set is the whole set, else as the card measured it (on 100 records the two modes
+differ on a few answers either way, as much as 4 points, while on 600 they agree within 0.2).
 """
 from __future__ import annotations
 
@@ -57,10 +61,15 @@ def test_full_matches_the_card_and_pop_stays_within_two_points(bundled, records)
     full, pop = report["accuracy"]["full"]["all"], report["accuracy"]["pop"]["all"]
     assert report["k"] == check["k"]
     assert full >= FLOORS[name], f"{name}: full {full:.3f} below the floor {FLOORS[name]}"
-    assert full >= check["accuracy"]["full"] - TWO_POINTS, f"{name}: full {full:.3f}, card {check['accuracy']['full']}"
+    for mode, measured in (("full", full), ("pop", pop)):
+        card_figure = check["accuracy"][mode]
+        assert measured >= card_figure - TWO_POINTS, f"{name}: {mode} {measured:.3f} on the check set, card {card_figure}"
+    whole = check["whole"]
+    assert abs(whole["full"] - overall) <= TWO_POINTS  # the card's two measurements of full on the whole set agree
+    assert abs(whole["pop"] - whole["full"]) <= TWO_POINTS, f"{name}: the card's POP {whole['pop']} vs full {whole['full']}"
     if check["n"] == len(records):
         assert full >= overall - TWO_POINTS
-    assert abs(pop - full) <= TWO_POINTS, f"{name}: POP {pop:.3f} vs full {full:.3f} at k = {check['k']}"
+        assert abs(pop - full) <= TWO_POINTS, f"{name}: POP {pop:.3f} vs full {full:.3f} at k = {check['k']}"
     assert report["vision_tokens"]["min"] > 0
 
 

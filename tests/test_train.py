@@ -88,8 +88,8 @@ def test_a_run_resumed_with_other_inputs_chooses_its_best_model_afresh(tmp_path,
 def test_a_run_starts_from_an_exports_weights_when_its_checkpoint_is_lost(tmp_path, monkeypatch, capsys):
     """--init-from: the export's weights, step, images and curve, fresh optimisers, and a learning rate that climbs
     back from near zero; a folder that records no step is refused."""
-    from pop_vlm.train import loop
     from pop_vlm.assembly import read_weights
+    from pop_vlm.train import loop, schedule
 
     first = tiny_run(tmp_path, "lost", 2)["state"]
     exported = read_weights(tmp_path / "lost-export")
@@ -110,7 +110,7 @@ def test_a_run_starts_from_an_exports_weights_when_its_checkpoint_is_lost(tmp_pa
     assert seen["step"] == first["best_info"]["step"] == 2 and seen["opt"] == 0
     for name, tensor in exported.items():
         assert torch.equal(seen["model"][name], tensor), name
-    assert seen["lr"] == pytest.approx(loop.lr_at(2, options.parse_args(TINY)) / loop.REWARM_STEPS)
+    assert seen["lr"] == pytest.approx(schedule.lr_at(2, options.parse_args(TINY)) / schedule.REWARM_STEPS)
     assert again["step"] == 3 and again["images"] == first["images"] + 2
     assert [c["step"] for c in again["curve"] if "val_accuracy" in c] == [2, 3]
     (tmp_path / "lost-export" / "training_curve.json").unlink()
@@ -344,7 +344,8 @@ def test_modes_section_round_trips_through_the_card():
               "check": {"n": 100, "accuracy": {"full": 0.76, "pop": 0.75, "static": 0.21}}}
     card = "# m\n\nOverall: **0.750**\n\n## Use\n\nload it\n"
     once = with_section(card, MODES_TITLE, modes_section(report))
-    assert check_figures(once) == {"n": 100, "k": 6, "accuracy": {"full": 0.76, "pop": 0.75, "static": 0.21}}
+    assert check_figures(once) == {"n": 100, "k": 6, "accuracy": {"full": 0.76, "pop": 0.75, "static": 0.21},
+                                   "whole": {"full": 0.75, "pop": 0.745, "static": 0.2}}
     assert "| pop | 0.745 | 600.0 | 1.33x |" in once and once.endswith("## Use\n\nload it\n")
     report["check"]["accuracy"]["full"] = 0.8
     twice = with_section(once, MODES_TITLE, modes_section(report))

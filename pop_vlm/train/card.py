@@ -164,7 +164,8 @@ def modes_section(report: dict) -> list[str]:
 
 
 def check_figures(card_text: str) -> dict | None:
-    """The check set of a model card's modes section: {"n": records, "k": layers pruned, "accuracy": {mode: acc}}."""
+    """The check set of a model card's modes section: {"n": records, "k": layers pruned, "accuracy": {mode: acc}},
+    and the accuracy of each mode on the whole test set, from the section's table ("whole": {mode: acc})."""
     if MODES_TITLE not in card_text:
         return None
     section = card_text.split(MODES_TITLE, 1)[1].split("\n## ", 1)[0]
@@ -173,7 +174,8 @@ def check_figures(card_text: str) -> dict | None:
     if not (k and check):
         return None
     accuracy = {mode: float(acc) for mode, acc in re.findall(r"(\w[\w-]*) \*\*([0-9.]+)\*\*", check.group(2))}
-    return {"n": int(check.group(1)), "k": int(k.group(1)), "accuracy": accuracy}
+    whole = {mode: float(acc) for mode, acc in re.findall(r"^\| (\w[\w-]*) \| ([0-9.]+) \|", section, re.MULTILINE)}
+    return {"n": int(check.group(1)), "k": int(k.group(1)), "accuracy": accuracy, "whole": whole}
 
 
 def with_section(card_text: str, title: str, lines: list[str]) -> str:

@@ -1,9 +1,9 @@
 """The training loop of the demo VLMs: seeded, resumable from its last checkpoint, on CPU or CUDA.
 
 Loss: cross-entropy on the answer token and the end-of-turn token after it, plus the probes of `heads` (vision
-features, question words); AdamW with linear warm-up then cosine decay, gradient clipping. Every few minutes it
+features, question words); AdamW with the learning rate of `schedule`, gradient clipping. Every few minutes it
 scores the held-out set, keeps the best weights, exports them and writes a checkpoint; SIGTERM or Ctrl-C ends the
-run after the current step with a checkpoint (a run stopped from outside loses nothing). With `--lora-rank`, the
+run after the current step with a checkpoint (`stopping`: a run stopped from outside loses nothing). With `--lora-rank`, the
 frozen language model's low-rank adapters (`lora`) train too, in their own optimiser group, so that a checkpoint
 from before they were added resumes with them. A gemma3 run resumed at a larger `--image-size` (same `--patch-size`)
 carries its vision tower over, the position embedding resampled to the new patch grid (`gemma3.fit_checkpoint`).
@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
-import signal
 import sys
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,52 +29,12 @@ from .data import EvalSet, make_batch, word_supervision
 from .export import export, load_trained, trained_state
 from .families import family as family_builder
 from .heads import AuxHeads, WordHeads
-
-
-class StopRequest:
-    """While active, SIGTERM and SIGINT only ask the loop to stop after the current step (a second one acts as
-    usual), so that a run ended from outside still writes its checkpoint."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal_name: str | None = None
-        self._before: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            self._before = {sig: signal.signal(sig, self._request) for sig in self.SIGNALS}
-        return self
-
-    def _request(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, self._before[signum])
-
-    def __exit__(self, *exc):
-        for sig, handler in self._before.items():
-            signal.signal(sig, handler)
+from .schedule import lr_at, rewarm_factor
+from .stopping import StopRequest
 
 
 def default_out_dir(model_name: str) -> Path:
     return zoo.cache_dir() / "train" / model_name
-
-
-#: steps over which the learning rate climbs back after a start from an export's weights: its AdamW moments start
-#: at zero, which makes the first updates full-size steps in the sign of the gradient
-REWARM_STEPS = 25
-
-
-def lr_at(step: int, args) -> float:
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.total_steps - args.warmup_steps))
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def rewarm_factor(state: dict) -> float:
-    """1, except in the first `REWARM_STEPS` steps after a start from an export (`Trainer.start_from_export`)."""
-    start = state.get("rewarm_from")
-    return 1.0 if start is None else min(1.0, (state["step"] - start + 1) / REWARM_STEPS)
 
 
 def log(msg: str, path: Path | None = None):
