@@ -324,20 +324,37 @@ def leave_out_tokenizer(folder: str | os.PathLike) -> bool:
     return reproduced
 
 
+#: digest of the files compared -> whether `tokenizer_reproduced` found them equal (the comparison parses two 33 MB
+#: tokenizers, seconds; every export of a training run asks it again of the same files)
+_REPRODUCED: dict[str, bool] = {}
+
+
 def tokenizer_reproduced(folder: str | os.PathLike) -> bool:
     """Whether the folder's tokenizer is the pretrained model's with the folder's `tokenizer_config.json`: loaded
     that way, it serialises to the same `tokenizer.json`."""
+    folder = Path(folder)
+    if not (folder / TOKENIZER_FILE).is_file():
+        return False
+    files, source = processor_files(folder), pretrained_tokenizer(read_base(folder))
+    digest = hashlib.sha256()
+    for file in (*files, folder / TOKENIZER_FILE, source):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    key = digest.hexdigest()
+    if key not in _REPRODUCED:
+        _REPRODUCED[key] = _assembled_tokenizer_is(folder / TOKENIZER_FILE, files, source)
+    return _REPRODUCED[key]
+
+
+def _assembled_tokenizer_is(wanted_file: Path, files: list[Path], source: Path) -> bool:
+    """Whether `files` with `source` as their `tokenizer.json` load as a tokenizer that serialises to `wanted_file`."""
     import tempfile
 
     from transformers import AutoTokenizer
 
-    folder = Path(folder)
-    if not (folder / TOKENIZER_FILE).is_file():
-        return False
-    with open(folder / TOKENIZER_FILE, encoding="utf-8") as handle:
+    with open(wanted_file, encoding="utf-8") as handle:
         wanted = json.load(handle)
     with tempfile.TemporaryDirectory() as trial:
-        put_together(processor_files(folder), pretrained_tokenizer(read_base(folder)), Path(trial) / "processor")
+        put_together(files, source, Path(trial) / "processor")
         assembled = AutoTokenizer.from_pretrained(Path(trial) / "processor")
         return json.loads(assembled.backend_tokenizer.to_str()) == wanted
 

@@ -107,7 +107,10 @@ def test_the_shipped_tokenizer_gives_one_bos_and_the_image_tokens(loaded, pictur
 def test_the_tokenizer_is_assembled_from_the_270m_unless_that_would_change_it(demo, loaded, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
+    converted = zoo.CONVERTED[zoo.GEMMA3_270M](progress=False)
     monkeypatch.setenv("POP_VLM_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / zoo.GEMMA3_270M).symlink_to(converted)  # a fresh cache, but not a second conversion
     folder = tmp_path / "copy"
     shutil.copytree(demo["folder"], folder)
     assembled = assembly.processor_folder(folder)
