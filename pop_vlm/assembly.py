@@ -301,10 +301,8 @@ def processor_folder(path: str | os.PathLike, progress: bool = True) -> Path:
     zoo.require_package(base["language_model"], needed_by=str(path))
     source = pretrained_tokenizer(base, progress)
     files = processor_files(path)
-    digest = hashlib.sha256(str(source.stat().st_size).encode())
-    for file in files:
-        digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    target = zoo.cache_dir() / "processors" / f"{path.name}-{digest.hexdigest()[:16]}"
+    digest = files_digest(files, start=str(source.stat().st_size).encode())
+    target = zoo.cache_dir() / "processors" / f"{path.name}-{digest[:16]}"
     if (target / TOKENIZER_FILE).is_file():
         return target
     staging = target.with_name(f"{target.name}.{os.getpid()}")
@@ -336,10 +334,7 @@ def tokenizer_reproduced(folder: str | os.PathLike) -> bool:
     if not (folder / TOKENIZER_FILE).is_file():
         return False
     files, source = processor_files(folder), pretrained_tokenizer(read_base(folder))
-    digest = hashlib.sha256()
-    for file in (*files, folder / TOKENIZER_FILE, source):
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-    key = digest.hexdigest()
+    key = files_digest([*files, folder / TOKENIZER_FILE, source])
     if key not in _REPRODUCED:
         _REPRODUCED[key] = _assembled_tokenizer_is(folder / TOKENIZER_FILE, files, source)
     return _REPRODUCED[key]
@@ -357,6 +352,14 @@ def _assembled_tokenizer_is(wanted_file: Path, files: list[Path], source: Path) 
         put_together(files, source, Path(trial) / "processor")
         assembled = AutoTokenizer.from_pretrained(Path(trial) / "processor")
         return json.loads(assembled.backend_tokenizer.to_str()) == wanted
+
+
+def files_digest(files: list[Path], start: bytes = b"") -> str:
+    """SHA-256 (hex) of `start` and each file's name and bytes, in the order given."""
+    digest = hashlib.sha256(start)
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
 
 
 def pretrained_tokenizer(base: dict, progress: bool = True) -> Path:
